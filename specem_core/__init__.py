@@ -1,0 +1,81 @@
+"""SpecEM: segment-level ensembling of LLMs while they generate (NeurIPS 2025).
+
+Heavy dependencies (torch, transformers) are imported only when a local model is loaded, so
+``import specem_core`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
+from specem_core.config import SpecEMConfig
+from specem_core.engine import CandidateFilter, SpecEM
+from specem_core.errors import (
+    AllMembersFailedError,
+    ConfigError,
+    ContextWindowError,
+    InputError,
+    MemberError,
+    ModelNotFoundError,
+    SpecEMError,
+)
+from specem_core.types import (
+    Candidate,
+    CandidateScore,
+    Draft,
+    Exclusion,
+    GenerationResult,
+    MemberUsage,
+    Segment,
+    StreamEvent,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from specem_core.backends.transformers import TransformersMember
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllMembersFailedError",
+    "Candidate",
+    "CandidateFilter",
+    "CandidateScore",
+    "ConfigError",
+    "ContextWindowError",
+    "Draft",
+    "Exclusion",
+    "GenerationResult",
+    "InputError",
+    "Member",
+    "MemberError",
+    "MemberSession",
+    "MemberUsage",
+    "ModelNotFoundError",
+    "SamplingParams",
+    "Segment",
+    "SessionRequest",
+    "SpecEM",
+    "SpecEMConfig",
+    "SpecEMError",
+    "StreamEvent",
+    "TransformersMember",
+    "Usage",
+    "__version__",
+    "default_engine",
+    "load_member",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing torch/transformers costs seconds; only pay it when a local model is used.
+    if name == "TransformersMember":
+        from specem_core.backends.transformers import TransformersMember
+
+        return TransformersMember
+    if name in ("load_member", "default_engine"):
+        from specem_core import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'specem_core' has no attribute {name!r}")

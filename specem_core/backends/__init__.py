@@ -1,0 +1,5 @@
+"""Backends: one file each, all behind :mod:`specem_core.backends.base`."""
+
+from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
+
+__all__ = ["Member", "MemberSession", "SamplingParams", "SessionRequest"]

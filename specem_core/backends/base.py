@@ -1,0 +1,102 @@
+"""The one small protocol every backend implements.
+
+A :class:`Member` is a loaded model (shared by all requests, thread-safe). For each request the
+engine opens a :class:`MemberSession`, which holds that request's state (KV cache, committed
+text) and answers four calls per round: ``draft``, ``score``, ``commit`` and, at the end,
+``close``. Candidates cross members as text, so members may use any tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from specem_core.types import Candidate, CandidateScore, Draft
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a member samples its draft (fields as in vLLM's ``SamplingParams``)."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """What a member needs to open a session for one request."""
+
+    messages: Sequence[Mapping[str, Any]]
+    """The validated conversation (OpenAI / HF chat-template dicts)."""
+    tools: Sequence[Mapping[str, Any]] | None = None
+    """OpenAI-style tool schemas to render through the member's chat template."""
+    seed: int | None = None
+    """Seed of this member's sampling stream (already offset per member by the engine)."""
+
+
+@runtime_checkable
+class MemberSession(Protocol):
+    """Per-request state of one member."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in this member's tokens."""
+        ...
+
+    @property
+    def completion_tokens(self) -> int:
+        """Committed response length in this member's tokens."""
+        ...
+
+    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+        """Continue the prompt plus the committed response by up to ``max_tokens`` tokens."""
+        ...
+
+    def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        """Score every candidate as a continuation of the committed response.
+
+        With ``score_eos`` a candidate that ended its turn is scored together with this
+        member's own end-of-turn token, so that stopping is voted on.
+        """
+        ...
+
+    def commit(self, text: str) -> None:
+        """Append the winning text to the committed response."""
+        ...
+
+    def close(self) -> None:
+        """Release the request's state (KV cache)."""
+        ...
+
+
+@runtime_checkable
+class Member(Protocol):
+    """A loaded base model taking part in the ensemble."""
+
+    name: str
+    """Unique name within an ensemble (used in traces)."""
+    can_draft: bool
+    can_verify: bool
+
+    @property
+    def context_window(self) -> int | None:
+        """Maximum tokens (prompt + response) this member accepts, if known."""
+        ...
+
+    @property
+    def concurrency_key(self) -> str:
+        """Members with different keys (devices, servers) may run at the same time."""
+        ...
+
+    def open(self, request: SessionRequest) -> MemberSession:
+        """Start a request: render and encode the prompt (and prefill, for local models).
+
+        Raises:
+            ContextWindowError: the prompt does not fit.
+        """
+        ...

@@ -1,0 +1,557 @@
+"""Local transformers members (CPU or GPU), with one reused KV cache per request.
+
+How a session keeps SpecEM linear (SPEC §2):
+
+* The committed prefix ``prompt + enc(R)`` lives in one ``DynamicCache``; it is prefilled once.
+* Drafting continues from that cache; the drafter records the raw logit and log-prob of every
+  token it picks, so scoring its own candidate costs nothing when the candidate's canonical
+  tokenization equals what it drafted.
+* Verification is one forward pass over all other candidates, batched on the shared cache.
+* The winner's KV rows from that pass become the new cache; the rest is dropped.
+* Only the positions that are scored go through the LM head.
+
+Text is the source of truth: the committed response ``R`` is re-encoded as a whole
+(``enc(R + candidate)``) and compared with the cached ids, and the cache is rolled back to the
+first differing token. Tokens that merge across a segment boundary, multi-byte characters split
+between segments and a final word before EOS are therefore never lost or corrupted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
+from specem_core.chat_format import ChatFormat
+from specem_core.errors import ContextWindowError, ModelNotFoundError
+from specem_core.types import Candidate, CandidateScore, Draft
+
+if TYPE_CHECKING:
+    import torch
+
+_UTF8_EXTRA_TOKENS = 4
+"""Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
+_DECODE_CONTEXT = 8
+"""Committed tokens decoded with a draft, so that decoders that strip a leading space agree."""
+
+
+class TransformersMember:
+    """A Hugging Face causal LM as a SpecEM member.
+
+    Example:
+        >>> member = TransformersMember.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")  # doctest: +SKIP
+        >>> member = TransformersMember.from_pretrained("models/", gguf_file="qwen.gguf")       # doctest: +SKIP
+        >>> member = TransformersMember(model, tokenizer, name="tiny")   # already-loaded objects
+
+    Args:
+        model: a loaded ``PreTrainedModel`` for causal LM.
+        tokenizer: its tokenizer.
+        name: unique name in the ensemble (default: the model's name or path).
+        can_draft: this member proposes candidates.
+        can_verify: this member scores candidates.
+        chat_template: overrides the tokenizer's template; ``None`` keeps it (a tokenizer without
+            one uses the plain format of :mod:`specem_core.chat_format`).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        can_draft: bool = True,
+        can_verify: bool = True,
+        chat_template: str | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or _default_name(model)
+        self.can_draft = can_draft
+        self.can_verify = can_verify
+        self.chat = ChatFormat(tokenizer, chat_template)
+        self._device = model.get_input_embeddings().weight.device
+        self._eot_id = self._find_end_of_turn()
+        self.stop_ids = frozenset(self._collect_stop_ids())
+        self.pad_id = self._eot_id
+        # Control tokens other than the end of turn never belong in a drafted answer.
+        self.suppress_ids = sorted(_special_ids(tokenizer) - self.stop_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_id_or_path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        gguf_file: str | None = None,
+        dtype: Any = "auto",
+        device: str | None = None,
+        device_map: Any = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        can_draft: bool = True,
+        can_verify: bool = True,
+        chat_template: str | None = None,
+        **model_kwargs: Any,
+    ) -> TransformersMember:
+        """Load a model from an HF id, a local directory, or a GGUF file.
+
+        Args:
+            model_id_or_path: hub id, directory, or a path ending in ``.gguf``.
+            gguf_file: GGUF file name inside ``model_id_or_path`` (dequantized on load).
+            dtype: ``"auto"`` (fp32 on CPU, bf16 on CUDA), a name such as ``"float16"``, or a
+                ``torch.dtype``.
+            device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``…; default CUDA when available.
+            device_map: passed to transformers (e.g. ``"auto"`` to spread a large model over GPUs).
+
+        Raises:
+            ModelNotFoundError: nothing loadable at that id or path.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        source = str(model_id_or_path)
+        if gguf_file is None and source.endswith(".gguf"):
+            path = Path(source)
+            if not path.is_file():
+                raise ModelNotFoundError(f"GGUF file not found: {source}")
+            source, gguf_file = str(path.parent), path.name
+        if device is None and device_map is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = _resolve_dtype(dtype, device or "cuda")
+        kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **model_kwargs}
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            if attn_implementation:
+                kwargs["attn_implementation"] = attn_implementation
+            if device_map is not None:
+                kwargs["device_map"] = device_map
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelNotFoundError(f"could not load model {str(model_id_or_path)!r}: {first}") from exc
+        if device_map is None and device is not None:
+            model = model.to(device)
+        return cls(
+            model,
+            tokenizer,
+            name=name or Path(str(model_id_or_path)).name or None,
+            can_draft=can_draft,
+            can_verify=can_verify,
+            chat_template=chat_template,
+        )
+
+    # -- Member protocol --------------------------------------------------------------------
+    @property
+    def context_window(self) -> int | None:
+        """``max_position_embeddings`` of the model config, if set."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def concurrency_key(self) -> str:
+        """The device holding the input embeddings."""
+        return f"torch:{self._device}"
+
+    def open(self, request: SessionRequest) -> TransformersSession:
+        """Render, encode and prefill the prompt."""
+        return TransformersSession(self, request)
+
+    def __repr__(self) -> str:
+        return f"TransformersMember(name={self.name!r}, device={self._device}, draft={self.can_draft}, verify={self.can_verify})"
+
+    # -- tokenizer helpers ------------------------------------------------------------------
+    def encode_prompt(self, request: SessionRequest) -> list[int]:
+        """The member's own chat-formatted prompt as token ids."""
+        text = self.chat.render(request.messages, request.tools)
+        # Templates write BOS themselves; the plain format needs the tokenizer's special tokens.
+        return list(self.tokenizer.encode(text, add_special_tokens=not self.chat.uses_template))
+
+    def encode_response(self, text: str) -> list[int]:
+        """Canonical ids of the response text (it follows the prompt, so no special tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _find_end_of_turn(self) -> int:
+        after = self.chat.end_of_turn_text()
+        special = _special_ids(self.tokenizer)
+        if after:
+            ids = self.tokenizer.encode(after, add_special_tokens=False)
+            if ids and ids[0] in special:
+                return int(ids[0])
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+        if eos is None:
+            raise ModelNotFoundError(f"{self.name}: the tokenizer defines no EOS / end-of-turn token")
+        return int(eos)
+
+    def _collect_stop_ids(self) -> set[int]:
+        ids = {self._eot_id}
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(int(x) for x in source)
+        return ids
+
+
+@dataclass
+class _DraftState:
+    ids: list[int]
+    token_scores: list[tuple[float, float]]
+    """(raw logit, log-prob) of each drafted token, as the drafter saw them."""
+    eos_score: tuple[float, float] | None
+    ended: bool
+    text: str
+    fed: int
+    """How many of ``ids`` are in the cache (all but the last, unless the draft ended)."""
+    canonical: bool
+    """False when the text was cut (turn-stop string, incomplete character)."""
+
+
+@dataclass
+class _Row:
+    """A candidate scored in this round's batched pass, kept in case it wins."""
+
+    batch_index: int
+    full_ids: list[int]
+    cache_len: int
+    """Cache length after the candidate's last text token (EOS excluded)."""
+    next_logits: Any
+
+
+@dataclass
+class _ScorePass:
+    base: int
+    layers: list[tuple[Any, Any]]
+    rows: dict[str, _Row] = field(default_factory=dict)
+
+
+class TransformersSession(MemberSession):
+    """One request's state in a :class:`TransformersMember` (see the module docstring)."""
+
+    def __init__(self, member: TransformersMember, request: SessionRequest) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        self._m = member
+        self._torch = torch
+        self._prompt_ids = member.encode_prompt(request)
+        window = member.context_window
+        if not self._prompt_ids:
+            raise ContextWindowError(f"{member.name}: the prompt encodes to no tokens")
+        if window and len(self._prompt_ids) + 2 > window:
+            raise ContextWindowError(
+                f"the prompt is {len(self._prompt_ids)} tokens for member {member.name!r}, "
+                f"whose context window is {window}"
+            )
+        self._text = ""
+        self._resp_ids: list[int] = []
+        self._cache = DynamicCache()
+        self._generator: torch.Generator | None = None
+        if request.seed is not None:
+            self._generator = torch.Generator(device="cpu")
+            self._generator.manual_seed(request.seed)
+        self._draft: _DraftState | None = None
+        self._pass: _ScorePass | None = None
+        self._next_logits = self._feed(self._prompt_ids)
+
+    # -- protocol ---------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in this member's tokens."""
+        return len(self._prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Committed response length in this member's tokens."""
+        return len(self._resp_ids)
+
+    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+        """Continue from the cached committed prefix by up to ``max_tokens`` tokens."""
+        torch = self._torch
+        self._to_committed()
+        history = set(self._prompt_ids) | set(self._resp_ids)
+        ids: list[int] = []
+        scores: list[tuple[float, float]] = []
+        eos_score: tuple[float, float] | None = None
+        logits = self._next_logits
+        with torch.inference_mode():
+            while True:
+                token = self._pick(logits, sampling, history)
+                score = (float(logits[token]), float(torch.log_softmax(logits, dim=-1)[token]))
+                if token in self._m.stop_ids:
+                    eos_score = score
+                    break
+                ids.append(token)
+                scores.append(score)
+                history.add(token)
+                if len(ids) >= max_tokens and (
+                    not self._decode_continuation(ids).endswith("\ufffd")
+                    or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
+                ):
+                    break
+                logits = self._feed([token])
+        ended = eos_score is not None
+        fed = len(ids) if ended else max(len(ids) - 1, 0)
+        text = self._decode_continuation(ids)
+        canonical = True
+        while text.endswith("\ufffd") and ids:  # never hand out half a character
+            ids.pop()
+            scores.pop()
+            ended, eos_score, canonical = False, None, False
+            text = self._decode_continuation(ids)
+        for stop in self._m.chat.turn_stop_strings:
+            cut = text.find(stop)
+            if cut != -1:
+                text, ended, canonical = text[:cut], True, False
+        fed = min(fed, len(ids))
+        self._draft = _DraftState(ids, scores, eos_score, ended, text, fed, canonical)
+        return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0))
+
+    def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        """Mean raw logit and mean log-prob of each candidate's tokens (see the module docstring)."""
+        torch = self._torch
+        out: list[CandidateScore | None] = [None] * len(candidates)
+        pending: list[tuple[int, str, list[int], int, bool]] = []
+        draft = self._draft
+        for n, cand in enumerate(candidates):
+            full = self._m.encode_response(self._text + cand.text)
+            lcp = _common_prefix(self._resp_ids, full)
+            new_ids = full[lcp:]
+            with_eos = cand.ended and (score_eos or not new_ids)
+            if (
+                draft is not None
+                and draft.canonical
+                and draft.text == cand.text
+                and draft.ended == cand.ended
+                and lcp == len(self._resp_ids)
+                and new_ids == draft.ids
+                and (not with_eos or draft.eos_score is not None)
+            ):
+                own = list(draft.token_scores) + ([draft.eos_score] if with_eos and draft.eos_score else [])
+                out[n] = _mean_score(own)
+                continue
+            if not new_ids and not with_eos:
+                with_eos = True  # nothing to score but the end of turn
+            pending.append((n, cand.text, full, lcp, with_eos))
+        self._pass = None
+        if pending:
+            with torch.inference_mode():
+                self._score_batch(pending, out)
+        return [s if s is not None else CandidateScore() for s in out]
+
+    def commit(self, text: str) -> None:
+        """Make ``committed + text`` the cached prefix, reusing this round's KV when possible."""
+        torch = self._torch
+        full = self._m.encode_response(self._text + text)
+        draft, score_pass = self._draft, self._pass
+        with torch.inference_mode():
+            if (
+                draft is not None
+                and draft.canonical
+                and draft.text == text
+                and not draft.ended
+                and full == self._resp_ids + draft.ids
+            ):
+                self._set_length(self._committed_len() + draft.fed)
+                unfed = draft.ids[draft.fed :]
+                if unfed:
+                    self._next_logits = self._feed(unfed)
+            elif score_pass is not None and text in score_pass.rows and score_pass.rows[text].full_ids == full:
+                row = score_pass.rows[text]
+                for layer, (keys, values) in zip(self._cache.layers, score_pass.layers, strict=True):
+                    layer.keys = keys[row.batch_index : row.batch_index + 1, :, : row.cache_len, :]
+                    layer.values = values[row.batch_index : row.batch_index + 1, :, : row.cache_len, :]
+                self._next_logits = row.next_logits
+            else:
+                self._extend_to(full)
+        self._resp_ids = full
+        self._text += text
+        self._draft = None
+        self._pass = None
+
+    def close(self) -> None:
+        """Drop the cache."""
+        self._cache = None
+        self._draft = None
+        self._pass = None
+
+    # -- internals --------------------------------------------------------------------------
+    def _committed_len(self) -> int:
+        return len(self._prompt_ids) + len(self._resp_ids)
+
+    def _feed(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run ``ids`` through the model on top of the cache; return next-token logits (fp32)."""
+        torch = self._torch
+        with torch.inference_mode():
+            input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._m._device)
+            out = self._m.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+            return out.logits[0, -1].float()
+
+    def _cache_len(self) -> int:
+        layer = self._cache.layers[0]
+        return int(layer.keys.shape[-2]) if getattr(layer, "is_initialized", False) else 0
+
+    def _set_length(self, n: int) -> None:
+        """Crop every layer to ``n`` positions (a view; no copy)."""
+        for layer in self._cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys[..., :n, :]
+                layer.values = layer.values[..., :n, :]
+
+    def _to_committed(self) -> None:
+        """Drop leftover draft positions; make sure next-token logits are known."""
+        n = self._committed_len()
+        if self._cache_len() > n or self._next_logits is None:
+            self._set_length(n - 1)
+            self._next_logits = self._feed([(self._prompt_ids + self._resp_ids)[n - 1]])
+
+    def _extend_to(self, full: list[int]) -> None:
+        """Roll the cache back to the common prefix with ``full`` and feed the rest."""
+        lcp = _common_prefix(self._resp_ids, full)
+        start = len(self._prompt_ids) + lcp
+        tail = full[lcp:]
+        if not tail:  # nothing new: recompute the logits of the last kept token
+            start -= 1
+            tail = [(self._prompt_ids + full)[start]]
+        self._set_length(start)
+        self._next_logits = self._feed(tail)
+
+    def _decode_continuation(self, ids: Sequence[int]) -> str:
+        tok = self._m.tokenizer
+        context = self._resp_ids[-_DECODE_CONTEXT:]
+        head = tok.decode(context)
+        whole = tok.decode(list(context) + list(ids))
+        if whole.startswith(head):
+            return str(whole[len(head) :])
+        head = tok.decode(self._resp_ids)
+        whole = tok.decode(self._resp_ids + list(ids))
+        return str(whole[len(head) :]) if whole.startswith(head) else str(tok.decode(list(ids)))
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, history: set[int]) -> int:
+        torch = self._torch
+        work = logits
+        if self._m.suppress_ids:
+            work = work.clone()
+            work[self._m.suppress_ids] = float("-inf")
+        if sampling.repetition_penalty != 1.0 and history:
+            idx = torch.tensor(sorted(history), dtype=torch.long, device=logits.device)
+            picked = work[idx]
+            penalized = torch.where(picked > 0, picked / sampling.repetition_penalty, picked * sampling.repetition_penalty)
+            work = work.clone()
+            work[idx] = penalized
+        if sampling.temperature <= 0:
+            return int(torch.argmax(work))
+        work = work / sampling.temperature
+        if sampling.top_k > 0:
+            kth = torch.topk(work, min(sampling.top_k, work.numel())).values[-1]
+            work = work.masked_fill(work < kth, float("-inf"))
+        probs = torch.softmax(work, dim=-1)
+        if sampling.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
+
+    def _score_batch(
+        self, pending: list[tuple[int, str, list[int], int, bool]], out: list[CandidateScore | None]
+    ) -> None:
+        """One forward pass scoring ``pending`` candidates batched on the shared cache."""
+        torch = self._torch
+        prompt_len = len(self._prompt_ids)
+        committed = self._prompt_ids + self._resp_ids
+        base = min(prompt_len + lcp for _, _, _, lcp, _ in pending) - 1
+        seqs: list[list[int]] = []
+        for _, _, full, lcp, with_eos in pending:
+            seq = committed[base : prompt_len + lcp] + full[lcp:]
+            seqs.append(seq + ([self._m._eot_id] if with_eos else []))
+        width = max(len(s) for s in seqs)
+        first_scored = min(prompt_len + lcp - base for _, _, _, lcp, _ in pending)
+        keep = width - (first_scored - 1)
+        snapshot = [(layer.keys, layer.values) for layer in self._cache.layers]
+        self._set_length(base)
+        batch = len(seqs)
+        if batch > 1:
+            for layer in self._cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.keys = layer.keys.expand(batch, -1, -1, -1)
+                    layer.values = layer.values.expand(batch, -1, -1, -1)
+        input_ids = torch.tensor(
+            [s + [self._m.pad_id] * (width - len(s)) for s in seqs], dtype=torch.long, device=self._m._device
+        )
+        output = self._m.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep)
+        logits = output.logits.float()  # [batch, keep, vocab]: positions width-keep .. width-1
+        logprobs = torch.log_softmax(logits, dim=-1)
+        offset = width - keep
+        score_pass = _ScorePass(base=base, layers=[(layer.keys, layer.values) for layer in self._cache.layers])
+        for b, ((n, text, full, lcp, with_eos), seq) in enumerate(zip(pending, seqs, strict=True)):
+            start = prompt_len + lcp - base  # first scored position in the row
+            targets = seq[start:]
+            positions = torch.arange(start - 1, len(seq) - 1, device=logits.device) - offset
+            target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            raw = logits[b, positions, target_ids]
+            lps = logprobs[b, positions, target_ids]
+            out[n] = CandidateScore(
+                mean_logit=float(raw.mean()), mean_logprob=float(lps.mean()), n_tokens=len(targets)
+            )
+            text_end = len(seq) - (1 if with_eos else 0)  # row positions holding the candidate's text
+            if text_end - 1 - offset >= 0 and (text not in score_pass.rows or not with_eos):
+                score_pass.rows[text] = _Row(b, full, base + text_end, logits[b, text_end - 1 - offset].clone())
+        for layer, (keys, values) in zip(self._cache.layers, snapshot, strict=True):
+            layer.keys, layer.values = keys, values
+        self._pass = score_pass
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _mean_score(scores: Sequence[tuple[float, float]]) -> CandidateScore:
+    if not scores:
+        return CandidateScore(mean_logit=0.0, mean_logprob=0.0, n_tokens=0)
+    return CandidateScore(
+        mean_logit=sum(s[0] for s in scores) / len(scores),
+        mean_logprob=sum(s[1] for s in scores) / len(scores),
+        n_tokens=len(scores),
+    )
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+    return ids
+
+
+def _default_name(model: Any) -> str:
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    return Path(path).name or str(getattr(model.config, "model_type", "model"))
+
+
+def _resolve_dtype(dtype: Any, device: str) -> Any:
+    import torch
+
+    if dtype == "auto" or dtype is None:
+        if str(device).startswith("cuda") and torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ModelNotFoundError(f"unknown dtype {dtype!r}")
+        return value
+    return dtype

@@ -1,0 +1,173 @@
+"""Every knob of the SpecEM loop in one typed, validated, immutable object."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from specem_core.errors import ConfigError
+
+Scoring = Literal["mean_logit", "mean_logprob"]
+Normalization = Literal["sum", "softmax"]
+NonPositiveRule = Literal["softmax", "raw"]
+HedgeDecay = Literal["sqrt", "inverse"]
+
+_FAITHFUL_OVERRIDES: dict[str, Any] = {
+    "scoring": "mean_logit",
+    "normalization": "sum",
+    "nonpositive_rule": "raw",
+    "hedge_decay": "inverse",
+    "eos_voting": False,
+    "model_exit": False,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecEMConfig:
+    """Configuration of one SpecEM ensemble (SPEC §1).
+
+    Per-request overrides go through :meth:`replace` (``engine.generate(msgs, max_new_tokens=64)``),
+    which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
+    ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
+    ``hedge_decay="inverse"``, ``eos_voting=False`` and ``model_exit=False``. Each production
+    default that differs from the authors' code is one of those named options.
+
+    Example:
+        >>> SpecEMConfig(segment_len=5, max_new_tokens=64).segment_len
+        5
+    """
+
+    segment_len: int = 10
+    """Tokens each drafter proposes per round (L). The paper uses 10."""
+    max_new_tokens: int = 256
+    """Cap on the response, counted in the first member's tokens."""
+    temperature: float = 0.0
+    """Drafting temperature; 0 means greedy (deterministic)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass for drafting (ignored when greedy)."""
+    top_k: int = 0
+    """Top-k filter for drafting; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """HF-style repetition penalty applied while drafting (1.0 = off)."""
+    seed: int | None = None
+    """Seed for sampled drafting; each member derives its own stream from it."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the response ends before the first one and never contains it."""
+    scoring: Scoring = "mean_logit"
+    """``mean_logit``: mean raw pre-softmax logit (paper, faithful); ``mean_logprob``: mean log-prob."""
+    normalization: Normalization = "sum"
+    """Per-verifier normalization over candidates: ``sum`` (paper Eq. 3) or ``softmax``."""
+    nonpositive_rule: NonPositiveRule = "softmax"
+    """What ``sum`` does with a row that is not all positive: ``softmax`` over the row (our safe
+    rule, default) or ``raw`` division by the sum as the authors' code does (0 when the sum is 0)."""
+    softmax_temperature: float = 1.0
+    """Temperature of the softmax normalization (also used by the safe rule)."""
+    hedge: bool = True
+    """Online Hedge weighting of verifiers; off means uniform weights."""
+    hedge_eta0: float = 0.5
+    """Base learning rate η0 (the authors' ``--learn_rate 5`` is 0.5)."""
+    hedge_decay: HedgeDecay = "sqrt"
+    """η_k = η0·sqrt(1/N)/sqrt(k) (``sqrt``, paper) or η0·sqrt(1/N)/k (``inverse``, authors' code)."""
+    model_exit: bool = False
+    """Model Exit (our design): stop drafting with members that keep losing."""
+    exit_temperature: float = 1.0
+    """τ in p = softmax(Q/τ) over cumulative scores Q."""
+    exit_entropy_ratio: float = 0.5
+    """γ: exit happens once H(p) < γ·ln(n_drafters)."""
+    exit_min_prob: float = 0.1
+    """ε: members with p_i < ε stop drafting (they keep verifying)."""
+    exit_min_rounds: int = 3
+    """k_min: no exit before this many rounds."""
+    eos_voting: bool = True
+    """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
+    faithful: bool = False
+    """Reproduce the authors' formulas exactly (see the class docstring)."""
+    member_retries: int = 1
+    """Retries of a failing member call before the member is excluded from the request."""
+    parallel: bool | None = None
+    """Run members concurrently: ``None`` = only members on different devices or servers."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Free-form metadata carried into results (not used by the loop)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.faithful:
+            for name, value in _FAITHFUL_OVERRIDES.items():
+                object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        _int_at_least("segment_len", self.segment_len, 1)
+        _int_at_least("max_new_tokens", self.max_new_tokens, 1)
+        _int_at_least("top_k", self.top_k, 0)
+        _int_at_least("exit_min_rounds", self.exit_min_rounds, 1)
+        _int_at_least("member_retries", self.member_retries, 0)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
+        _finite_at_least("temperature", self.temperature, 0.0)
+        _finite_at_least("hedge_eta0", self.hedge_eta0, 0.0)
+        _finite_at_least("repetition_penalty", self.repetition_penalty, 0.0, strict=True)
+        _finite_at_least("softmax_temperature", self.softmax_temperature, 0.0, strict=True)
+        _finite_at_least("exit_temperature", self.exit_temperature, 0.0, strict=True)
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= float(self.exit_entropy_ratio) <= 1.0):
+            raise ConfigError(f"exit_entropy_ratio must be in [0, 1], got {self.exit_entropy_ratio!r}")
+        if not (0.0 <= float(self.exit_min_prob) < 1.0):
+            raise ConfigError(f"exit_min_prob must be in [0, 1), got {self.exit_min_prob!r}")
+        _choice("scoring", self.scoring, ("mean_logit", "mean_logprob"))
+        _choice("normalization", self.normalization, ("sum", "softmax"))
+        _choice("nonpositive_rule", self.nonpositive_rule, ("softmax", "raw"))
+        _choice("hedge_decay", self.hedge_decay, ("sqrt", "inverse"))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")
+
+    def replace(self, **overrides: Any) -> SpecEMConfig:
+        """Return a validated copy with some fields changed; ``None`` values are ignored.
+
+        Raises:
+            ConfigError: an unknown field name or an invalid value.
+        """
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown SpecEM option(s): {', '.join(unknown)}")
+        changes = {k: v for k, v in overrides.items() if v is not None}
+        if not changes:
+            return self
+        if "stop" in changes and isinstance(changes["stop"], Sequence):
+            changes["stop"] = tuple(changes["stop"]) if not isinstance(changes["stop"], str) else (
+                changes["stop"],
+            )
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view of the configuration."""
+        out = dataclasses.asdict(self)
+        out["stop"] = list(self.stop)
+        return out
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _finite_at_least(name: str, value: object, low: float, *, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (strict and value == low):
+        op = ">" if strict else ">="
+        raise ConfigError(f"{name} must be {op} {low}, got {value!r}")
+
+
+def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{name} must be one of {', '.join(options)}; got {value!r}")

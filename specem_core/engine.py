@@ -1,0 +1,547 @@
+"""The SpecEM loop (SPEC §1): draft, verify, normalize, Hedge, vote, broadcast — per segment.
+
+``SpecEM.stream`` is the loop; ``generate``, ``agenerate`` and ``astream`` are views of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
+from specem_core.config import SpecEMConfig
+from specem_core.errors import (
+    AllMembersFailedError,
+    ConfigError,
+    InputError,
+    SpecEMError,
+)
+from specem_core.scoring import (
+    ModelExit,
+    argmax_first,
+    combine,
+    hedge_learning_rate,
+    hedge_rewards,
+    hedge_update,
+    normalize_row,
+)
+from specem_core.types import (
+    Candidate,
+    CandidateScore,
+    Draft,
+    Exclusion,
+    FinishReason,
+    GenerationResult,
+    MemberUsage,
+    Segment,
+    StreamEvent,
+    Usage,
+    validate_messages,
+)
+
+T = TypeVar("T")
+
+CandidateFilter = Callable[[str, str], bool]
+"""``constraint(committed_text, candidate_text) -> keep?`` — e.g. keep a started tool call
+parseable. When it rejects every candidate of a round, all of them stay in the vote."""
+
+
+class SpecEM:
+    """A segment-level ensemble of language models (SpecEM, NeurIPS 2025).
+
+    Each round every drafting member proposes the next ``segment_len`` tokens, every verifying
+    member scores every proposal, the weighted vote picks one, and all members continue from it.
+
+    Example:
+        >>> from specem_core import SpecEM, SpecEMConfig, load_member   # doctest: +SKIP
+        >>> engine = SpecEM([load_member("smollm2"), load_member("qwen2.5-coder")],
+        ...                 SpecEMConfig(max_new_tokens=64))               # doctest: +SKIP
+        >>> result = engine.generate([{"role": "user", "content": "Capital of France?"}])  # doctest: +SKIP
+        >>> for event in engine.stream("Name three colours."):            # doctest: +SKIP
+        ...     print(event.delta, end="")
+
+    The engine is safe to share between threads: members hold only read-only weights and every
+    request gets its own sessions.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[Member],
+        config: SpecEMConfig | None = None,
+        **config_overrides: Any,
+    ) -> None:
+        members = list(members)
+        if not members:
+            raise ConfigError("an ensemble needs at least one member")
+        names = [m.name for m in members]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"member names must be unique; repeated: {', '.join(duplicates)}")
+        if not any(m.can_draft for m in members):
+            raise ConfigError("no member can draft: at least one member needs can_draft=True")
+        if sum(m.can_draft for m in members) > 1 and not any(m.can_verify for m in members):
+            raise ConfigError("several drafters but no verifier: set can_verify=True on a member")
+        self._members = members
+        self._config = (config or SpecEMConfig()).replace(**config_overrides)
+
+    @property
+    def members(self) -> list[Member]:
+        """The members, in tie-break order."""
+        return list(self._members)
+
+    @property
+    def config(self) -> SpecEMConfig:
+        """Default configuration of every request."""
+        return self._config
+
+    @property
+    def context_window(self) -> int | None:
+        """The smallest known context window among the members."""
+        windows = [m.context_window for m in self._members if m.context_window]
+        return min(windows) if windows else None
+
+    def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: CandidateFilter | None = None,
+        **overrides: Any,
+    ) -> GenerationResult:
+        """Run the ensemble to completion.
+
+        Args:
+            messages: the conversation (or one user message as a string).
+            tools: OpenAI-style tool schemas rendered through each member's chat template.
+            constraint: optional filter on candidates (see :data:`CandidateFilter`).
+            **overrides: any :class:`SpecEMConfig` field for this request only.
+        """
+        result: GenerationResult | None = None
+        for event in self.stream(messages, tools=tools, constraint=constraint, **overrides):
+            result = event.result if event.done else result
+        assert result is not None
+        return result
+
+    def stream(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: CandidateFilter | None = None,
+        **overrides: Any,
+    ) -> Iterator[StreamEvent]:
+        """Yield one :class:`StreamEvent` per committed segment as soon as it is committed."""
+        config = self._config.replace(**overrides)
+        run = _Run(self._members, config, validate_messages(messages), tools, constraint)
+        return run.events()
+
+    async def agenerate(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: CandidateFilter | None = None,
+        **overrides: Any,
+    ) -> GenerationResult:
+        """Async :meth:`generate`."""
+        result: GenerationResult | None = None
+        async for event in self.astream(messages, tools=tools, constraint=constraint, **overrides):
+            result = event.result if event.done else result
+        assert result is not None
+        return result
+
+    async def astream(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: CandidateFilter | None = None,
+        **overrides: Any,
+    ) -> AsyncIterator[StreamEvent]:
+        """Async :meth:`stream`: the loop runs in a worker thread; cancelling stops it after the round."""
+        config = self._config.replace(**overrides)
+        run = _Run(self._members, config, validate_messages(messages), tools, constraint)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                for event in run.events():
+                    loop.call_soon_threadsafe(queue.put_nowait, ("event", event))
+                    if run.cancelled.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+
+        worker = threading.Thread(target=pump, name="specem-astream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind == "event":
+                    yield payload
+                elif kind == "error":
+                    raise payload
+                else:
+                    break
+        finally:
+            run.cancelled.set()
+
+
+class _Pool:
+    """Runs one call per member, concurrently across concurrency keys when allowed."""
+
+    def __init__(self, members: Sequence[Member], parallel: bool | None) -> None:
+        keys = {m.concurrency_key for m in members}
+        self.parallel = (len(keys) > 1) if parallel is None else parallel
+        self._executor = ThreadPoolExecutor(max_workers=len(members)) if self.parallel else None
+
+    def map(self, fn: Callable[[int], T], indices: Sequence[int], members: Sequence[Member]) -> list[T | BaseException]:
+        """``fn(i)`` for each index; exceptions are returned, not raised."""
+
+        def safe(i: int) -> T | BaseException:
+            try:
+                return fn(i)
+            except Exception as exc:  # noqa: BLE001 - the caller decides (retry / exclude)
+                return exc
+
+        if self._executor is None or len(indices) < 2:
+            return [safe(i) for i in indices]
+        groups: dict[str, list[int]] = {}
+        for i in indices:
+            groups.setdefault(members[i].concurrency_key, []).append(i)
+        futures = {
+            key: self._executor.submit(lambda g=group: [safe(i) for i in g]) for key, group in groups.items()
+        }
+        by_index: dict[int, T | BaseException] = {}
+        for key, fut in futures.items():
+            for i, res in zip(groups[key], fut.result(), strict=True):
+                by_index[i] = res
+        return [by_index[i] for i in indices]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+
+class _Run:
+    """State of one request."""
+
+    def __init__(
+        self,
+        members: Sequence[Member],
+        config: SpecEMConfig,
+        messages: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        constraint: CandidateFilter | None,
+    ) -> None:
+        self.members = list(members)
+        self.config = config
+        self.messages = messages
+        self.tools = list(tools) if tools else None
+        self.constraint = constraint
+        self.cancelled = threading.Event()
+        self.sessions: dict[int, MemberSession] = {}
+        self.excluded: list[Exclusion] = []
+        self.usage = [MemberUsage(member=m.name) for m in self.members]
+        self.exited: set[int] = set()
+        self.text = ""
+        self.segments: list[Segment] = []
+        self.pool = _Pool(self.members, config.parallel)
+        self.sampling = SamplingParams(
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            repetition_penalty=config.repetition_penalty,
+        )
+
+    # -- failure handling -------------------------------------------------------------------
+    def _call(self, stage: str, indices: Sequence[int], fn: Callable[[int], T], round_index: int) -> dict[int, T]:
+        """Call ``fn`` for each member, retrying failures, excluding members that keep failing."""
+        results: dict[int, T] = {}
+        pending = list(indices)
+        errors: dict[int, BaseException] = {}
+        for _attempt in range(self.config.member_retries + 1):
+            if not pending:
+                break
+            outcomes = self.pool.map(fn, pending, self.members)
+            retry: list[int] = []
+            for i, out in zip(pending, outcomes, strict=True):
+                if isinstance(out, BaseException):
+                    if isinstance(out, InputError):  # the user's input, not the member, is at fault
+                        raise out
+                    errors[i] = out
+                    retry.append(i)
+                else:
+                    results[i] = out
+            pending = retry
+        for i in pending:
+            self._exclude(i, stage, errors[i], round_index)
+        return results
+
+    def _exclude(self, i: int, stage: str, error: BaseException, round_index: int) -> None:
+        message = f"{type(error).__name__}: {error}"
+        self.excluded.append(Exclusion(self.members[i].name, stage, message, round_index))
+        session = self.sessions.pop(i, None)
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
+    def _active(self) -> list[int]:
+        return sorted(self.sessions)
+
+    def _require_drafter(self) -> None:
+        if not any(self.members[i].can_draft for i in self.sessions):
+            reasons = "; ".join(f"{e.member} ({e.stage}): {e.error}" for e in self.excluded)
+            raise AllMembersFailedError(f"every drafting member failed: {reasons or 'no drafter left'}")
+
+    # -- the loop ---------------------------------------------------------------------------
+    def events(self) -> Iterator[StreamEvent]:
+        started = time.perf_counter()
+        first_segment: float | None = None
+        cfg = self.config
+        emitted = 0
+        announced = 0  # segments already carried by an event
+        finish: FinishReason = "length"
+        try:
+            self._open_sessions()
+            weights = self._initial_weights()
+            exit_rule = (
+                ModelExit(cfg.exit_temperature, cfg.exit_entropy_ratio, cfg.exit_min_prob, cfg.exit_min_rounds)
+                if cfg.model_exit
+                else None
+            )
+            round_index = 0
+            max_rounds = cfg.max_new_tokens + 8
+            while True:
+                if self.cancelled.is_set():
+                    break
+                remaining = cfg.max_new_tokens - self._completion_tokens()
+                if remaining <= 0 or round_index >= max_rounds or not self._fits_context(cfg.segment_len):
+                    finish = "length"
+                    break
+                round_index += 1
+                t0 = time.perf_counter()
+                step = self._round(round_index, min(cfg.segment_len, remaining), weights, exit_rule)
+                if step is None:
+                    finish = "length"
+                    break
+                segment, weights, ended = step
+                old_len = len(self.text)
+                self.text += segment.text
+                stop_at = _find_stop(self.text, cfg.stop, old_len)
+                if stop_at is not None:
+                    self.text = self.text[:stop_at]
+                    segment.text = self.text[old_len:]
+                    ended = True
+                else:
+                    self._commit(segment.text, round_index, ended)
+                segment.seconds = time.perf_counter() - t0
+                self.segments.append(segment)
+                if first_segment is None:
+                    first_segment = time.perf_counter() - started
+                if ended:
+                    finish = "stop"
+                    break
+                safe = len(self.text) - _stop_holdback(self.text, cfg.stop)
+                if safe > emitted or segment.text:
+                    yield StreamEvent(delta=self.text[emitted:safe], segment=segment)
+                    emitted = max(emitted, safe)
+                    announced = len(self.segments)
+            result = self._result(finish, started, first_segment)
+            last = self.segments[-1] if len(self.segments) > announced else None
+            yield StreamEvent(delta=self.text[emitted:], segment=last, done=True, result=result)
+        finally:
+            for i in list(self.sessions):
+                with contextlib.suppress(Exception):
+                    self.sessions.pop(i).close()
+            self.pool.close()
+
+    def _open_sessions(self) -> None:
+        base_seed = self.config.seed
+
+        def open_one(i: int) -> MemberSession:
+            seed = None if base_seed is None else base_seed + 1_000_003 * i
+            return self.members[i].open(SessionRequest(self.messages, self.tools, seed))
+
+        opened = self._call("open", range(len(self.members)), open_one, 0)
+        self.sessions.update(opened)
+        self._require_drafter()
+        for i, s in self.sessions.items():
+            self.usage[i].prompt_tokens = s.prompt_tokens
+
+    def _initial_weights(self) -> dict[int, float]:
+        verifiers = [i for i in self._active() if self.members[i].can_verify]
+        return {i: 1.0 / len(verifiers) for i in verifiers} if verifiers else {}
+
+    def _completion_tokens(self) -> int:
+        return self.sessions[self._active()[0]].completion_tokens if self.sessions else 0
+
+    def _fits_context(self, extra: int) -> bool:
+        for i, s in self.sessions.items():
+            window = self.members[i].context_window
+            if window and s.prompt_tokens + s.completion_tokens + extra + 2 > window:
+                return False
+        return True
+
+    def _round(
+        self,
+        k: int,
+        max_tokens: int,
+        weights: dict[int, float],
+        exit_rule: ModelExit | None,
+    ) -> tuple[Segment, dict[int, float], bool] | None:
+        cfg = self.config
+        drafting = [i for i in self._active() if self.members[i].can_draft and i not in self.exited]
+        if not drafting:  # every remaining drafter exited: bring them back rather than stall
+            self.exited.clear()
+            drafting = [i for i in self._active() if self.members[i].can_draft]
+        drafts: dict[int, Draft] = self._call(
+            "draft", drafting, lambda i: self.sessions[i].draft(max_tokens, self.sampling), k
+        )
+        self._require_drafter()
+        for i, d in drafts.items():
+            self.usage[i].drafted_tokens += d.tokens
+            self.usage[i].rounds_drafted += 1
+        owners = [i for i in drafting if i in drafts and (drafts[i].text or drafts[i].ended)]
+        if not owners:
+            return None
+        candidates = [Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners]
+        if self.constraint is not None and len(candidates) > 1:
+            keep = [n for n, c in enumerate(candidates) if self.constraint(self.text, c.text)]
+            if keep and len(keep) < len(candidates):
+                owners = [owners[n] for n in keep]
+                candidates = [candidates[n] for n in keep]
+
+        verifiers = [i for i in self._active() if self.members[i].can_verify]
+        raw: list[list[float]] = []
+        normalized: list[list[float]] = []
+        if len(candidates) > 1 and verifiers:
+            unique: dict[tuple[str, bool], int] = {}
+            for c in candidates:
+                unique.setdefault((c.text, c.ended), len(unique))
+            unique_cands = [Candidate("", t, e) for (t, e) in unique]
+            scored = self._call(
+                "score", verifiers, lambda i: self.sessions[i].score(unique_cands, score_eos=cfg.eos_voting), k
+            )
+            verifiers = [i for i in verifiers if i in scored]
+            for i in verifiers:
+                row_unique = scored[i]
+                if len(row_unique) != len(unique_cands):
+                    raise SpecEMError(f"member {self.members[i].name!r} returned {len(row_unique)} scores")
+                row = [row_unique[unique[(c.text, c.ended)]] for c in candidates]
+                values, is_distribution = _row_values(row, cfg.scoring)
+                raw.append(values)
+                normalized.append(
+                    values
+                    if is_distribution
+                    else normalize_row(
+                        values,
+                        cfg.normalization,
+                        nonpositive_rule=cfg.nonpositive_rule,
+                        temperature=cfg.softmax_temperature,
+                    )
+                )
+        rewards_list: list[float] = []
+        eta = 0.0
+        weights = {i: w for i, w in weights.items() if i in self.sessions}
+        if normalized:
+            if cfg.hedge:
+                rewards = hedge_rewards(normalized, verifiers, owners, verifiers)
+                eta = hedge_learning_rate(cfg.hedge_eta0, len(verifiers), k, cfg.hedge_decay)
+                current = [weights.get(i, 0.0) for i in verifiers]
+                if sum(current) <= 0:
+                    current = [1.0] * len(verifiers)
+                updated = hedge_update(current, [rewards[i] for i in verifiers], eta)
+                weights = dict(zip(verifiers, updated, strict=True))
+                rewards_list = [rewards[i] for i in verifiers]
+            row_weights = [weights.get(i, 1.0 / len(verifiers)) for i in verifiers]
+            if not cfg.hedge:
+                row_weights = [1.0 / len(verifiers)] * len(verifiers)
+            combined = combine(normalized, row_weights)
+            winner = argmax_first(combined)
+        else:
+            row_weights = [weights.get(i, 0.0) for i in verifiers] if verifiers else []
+            combined = [1.0] + [0.0] * (len(candidates) - 1)
+            winner = 0
+        if exit_rule is not None:
+            per_member = {owners[n]: combined[n] for n in range(len(owners))}
+            for i in exit_rule.update(k, drafting, per_member):
+                self.exited.add(i)
+        segment = Segment(
+            index=k,
+            text=candidates[winner].text,
+            winner=candidates[winner].member,
+            winner_index=winner,
+            candidates=candidates,
+            drafters=[self.members[i].name for i in drafting],
+            verifiers=[self.members[i].name for i in verifiers] if normalized else [],
+            raw_scores=raw,
+            normalized=normalized,
+            weights=row_weights if normalized else [],
+            combined=combined,
+            rewards=rewards_list,
+            learning_rate=eta,
+        )
+        return segment, weights, candidates[winner].ended
+
+    def _commit(self, text: str, round_index: int, ended: bool) -> None:
+        if ended or not text:
+            return  # the request ends here: no member needs the text in its cache
+        self._call("commit", self._active(), lambda i: self.sessions[i].commit(text), round_index)
+        self._require_drafter()
+
+    def _result(self, finish: FinishReason, started: float, first_segment: float | None) -> GenerationResult:
+        for i, s in self.sessions.items():
+            self.usage[i].completion_tokens = s.completion_tokens
+        ref = next((u for i, u in enumerate(self.usage) if i in self.sessions), self.usage[0])
+        return GenerationResult(
+            text=self.text,
+            finish_reason=finish,
+            usage=Usage(ref.prompt_tokens, ref.completion_tokens, list(self.usage)),
+            segments=self.segments,
+            members=[m.name for m in self.members],
+            excluded=list(self.excluded),
+            seconds=time.perf_counter() - started,
+            first_segment_seconds=first_segment,
+            config=self.config.to_dict(),
+        )
+
+
+def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float], bool]:
+    """Pick the configured raw score from each candidate score; judges give distributions."""
+    if all(s.probability is not None for s in row):
+        return [float(s.probability or 0.0) for s in row], True
+    attr = "mean_logit" if scoring == "mean_logit" else "mean_logprob"
+    values = [getattr(s, attr) for s in row]
+    if any(v is None for v in values):
+        raise SpecEMError(f"a verifier returned no {attr} score")
+    return [float(v) for v in values], False
+
+
+def _find_stop(text: str, stops: Sequence[str], old_len: int) -> int | None:
+    """Earliest index of a stop string that overlaps the newly added text."""
+    best: int | None = None
+    for s in stops:
+        idx = text.find(s, max(0, old_len - len(s) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best
+
+
+def _stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if s.startswith(text[-n:]):
+                hold = n
+                break
+    return hold

@@ -1,0 +1,234 @@
+"""Data that crosses the engine's public API: messages in, results, traces and events out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from specem_core.errors import InputError
+
+Message = Mapping[str, Any]
+"""A chat message in the OpenAI / HF chat-template shape: ``{"role": "user", "content": "..."}``."""
+
+FinishReason = Literal["stop", "length"]
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def validate_messages(messages: object) -> list[dict[str, Any]]:
+    """Check a conversation and return plain-dict copies (the caller's list is never mutated).
+
+    Accepts a bare string as a single user message.
+
+    Raises:
+        InputError: empty conversation, unknown role, non-text content, or an empty prompt.
+    """
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, Sequence) or isinstance(messages, bytes):
+        raise InputError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise InputError("messages is empty: give at least one user message")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InputError(f"message {i} must be a mapping with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise InputError(f"message {i} has unknown role {role!r}; expected one of {', '.join(_ROLES)}")
+        content = m.get("content", "")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise InputError(
+                f"message {i} ({role}) has content of type {type(content).__name__}; only text is supported"
+            )
+        msg = dict(m)
+        msg["content"] = content
+        out.append(msg)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
+        raise InputError("the prompt is empty: every message has empty content")
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One drafted segment offered for the vote."""
+
+    member: str
+    """Name of the member that drafted it."""
+    text: str
+    """The segment as text (candidates travel between tokenizers as text)."""
+    ended: bool
+    """The drafter ended its turn right after this text (EOS / end-of-turn token)."""
+    tokens: int = 0
+    """How many tokens the drafter generated for it."""
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """A verifier's score of one candidate.
+
+    Token-level verifiers fill ``mean_logit`` and ``mean_logprob``; judge-style verifiers (which
+    see only top-logprobs of a generated label) fill ``probability`` instead, already normalized
+    over the candidates.
+    """
+
+    mean_logit: float | None = None
+    mean_logprob: float | None = None
+    n_tokens: int = 0
+    probability: float | None = None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a member returns from :meth:`MemberSession.draft`."""
+
+    text: str
+    ended: bool
+    tokens: int
+
+
+@dataclass
+class Segment:
+    """Trace of one round: what was proposed, how it was scored, what was committed."""
+
+    index: int
+    """1-based round number."""
+    text: str
+    """Text committed this round (the winner's text, cut at a stop string or the length cap)."""
+    winner: str
+    """Name of the member whose candidate won."""
+    winner_index: int
+    """Index of the winning candidate in ``candidates``."""
+    candidates: list[Candidate]
+    drafters: list[str]
+    """Members that drafted this round (fewer than all once Model Exit removes some)."""
+    verifiers: list[str]
+    """Members whose rows are in the score matrices."""
+    raw_scores: list[list[float]]
+    """``raw_scores[j][i]``: verifier j's raw score (mean logit / log-prob / judge prob) of candidate i."""
+    normalized: list[list[float]]
+    """Row-normalized scores ŝ[j][i]."""
+    weights: list[float]
+    """Verifier weights used in this round's vote (after this round's Hedge update)."""
+    combined: list[float]
+    """S_i = Σ_j w_j ŝ[j][i]."""
+    rewards: list[float] = field(default_factory=list)
+    """Hedge rewards r_i per verifier (empty when Hedge is off)."""
+    learning_rate: float = 0.0
+    """η_k used this round (0 when Hedge is off)."""
+    seconds: float = 0.0
+    """Wall time of the round."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view."""
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class MemberUsage:
+    """Token accounting of one member for one request."""
+
+    member: str
+    prompt_tokens: int = 0
+    """Prompt tokens in this member's own tokenizer and chat format."""
+    completion_tokens: int = 0
+    """The committed response in this member's tokens."""
+    drafted_tokens: int = 0
+    """Tokens this member generated while drafting (winning or not)."""
+    rounds_drafted: int = 0
+
+
+@dataclass
+class Usage:
+    """Token usage of a request; the headline counts are in the first member's tokens."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    per_member: list[MemberUsage]
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion tokens of the first member."""
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view."""
+        d = dataclasses.asdict(self)
+        d["total_tokens"] = self.total_tokens
+        return d
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A member dropped from a request after failing (and its retries)."""
+
+    member: str
+    stage: str
+    """``open``, ``draft``, ``score`` or ``commit``."""
+    error: str
+    round: int
+
+
+@dataclass
+class GenerationResult:
+    """The answer of one request plus everything needed to see how it was made."""
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    segments: list[Segment]
+    members: list[str]
+    excluded: list[Exclusion] = field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time of the whole request."""
+    first_segment_seconds: float | None = None
+    """Time from the request to the first committed segment."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def members_per_round(self) -> list[int]:
+        """How many members drafted in each round (Model Exit lowers it)."""
+        return [len(s.drafters) for s in self.segments]
+
+    @property
+    def wins(self) -> dict[str, int]:
+        """Rounds won per member."""
+        counts = dict.fromkeys(self.members, 0)
+        for s in self.segments:
+            counts[s.winner] = counts.get(s.winner, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view (used by ``specem chat --json``)."""
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage.to_dict(),
+            "members": list(self.members),
+            "members_per_round": self.members_per_round,
+            "wins": self.wins,
+            "excluded": [dataclasses.asdict(e) for e in self.excluded],
+            "seconds": self.seconds,
+            "first_segment_seconds": self.first_segment_seconds,
+            "config": self.config,
+            "segments": [s.to_dict() for s in self.segments],
+        }
+
+
+@dataclass
+class StreamEvent:
+    """One committed segment, emitted as soon as it is committed.
+
+    ``delta`` is the text that became safe to show: usually the segment's text, minus any tail
+    held back because it could be the start of a stop string (released with a later event).
+    The last event has ``done=True`` and carries the full ``result``.
+    """
+
+    delta: str
+    segment: Segment | None
+    done: bool = False
+    result: GenerationResult | None = None
