@@ -341,8 +341,7 @@ class _Run:
                     self.text = self.text[:stop_at]
                     segment.text = self.text[old_len:]
                     ended = True
-                else:
-                    self._commit(segment.text, round_index, ended)
+                self._commit(segment.text, round_index, final=ended)
                 segment.seconds = time.perf_counter() - t0
                 self.segments.append(segment)
                 if first_segment is None:
@@ -492,11 +491,13 @@ class _Run:
         )
         return segment, weights, candidates[winner].ended
 
-    def _commit(self, text: str, round_index: int, ended: bool) -> None:
-        if ended or not text:
-            return  # the request ends here: no member needs the text in its cache
-        self._call("commit", self._active(), lambda i: self.sessions[i].commit(text), round_index)
-        self._require_drafter()
+    def _commit(self, text: str, round_index: int, final: bool) -> None:
+        if not text:
+            return
+        # On the final segment members only count tokens: nobody continues from it.
+        self._call("commit", self._active(), lambda i: self.sessions[i].commit(text, final=final), round_index)
+        if not final:
+            self._require_drafter()
 
     def _result(self, finish: FinishReason, started: float, first_segment: float | None) -> GenerationResult:
         for i, s in self.sessions.items():

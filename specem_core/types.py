@@ -12,7 +12,8 @@ from specem_core.errors import InputError
 Message = Mapping[str, Any]
 """A chat message in the OpenAI / HF chat-template shape: ``{"role": "user", "content": "..."}``."""
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""``tool_calls``: the answer is one or more parsed tool calls (see :mod:`specem_core.tools`)."""
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -173,6 +174,37 @@ class Exclusion:
     round: int
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call parsed from the committed text (arguments checked against the tool's schema)."""
+
+    id: str
+    """``call_<hex>``, unique per call."""
+    name: str
+    arguments: dict[str, Any]
+    """Arguments coerced with the tool's JSON schema (``"7"`` becomes ``7`` for an integer)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view."""
+        return {"id": self.id, "name": self.name, "arguments": dict(self.arguments)}
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """A tool call the model started but that does not parse or does not fit the tool's schema."""
+
+    id: str
+    name: str | None
+    arguments: str | None
+    """The raw argument text as the model wrote it."""
+    error: str
+    """Why it is invalid, in one line."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view."""
+        return dataclasses.asdict(self)
+
+
 @dataclass
 class GenerationResult:
     """The answer of one request plus everything needed to see how it was made."""
@@ -188,6 +220,16 @@ class GenerationResult:
     first_segment_seconds: float | None = None
     """Time from the request to the first committed segment."""
     config: dict[str, Any] = field(default_factory=dict)
+    content: str | None = None
+    """The answer without tool-call markup (equal to ``text`` when no tools were given)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Tool calls parsed from ``text`` (only when tools were given)."""
+    invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
+    """Tool calls that were started but could not be parsed or validated."""
+
+    def __post_init__(self) -> None:
+        if self.content is None:
+            self.content = self.text
 
     @property
     def members_per_round(self) -> list[int]:
@@ -206,6 +248,9 @@ class GenerationResult:
         """Plain-JSON view (used by ``specem chat --json``)."""
         return {
             "text": self.text,
+            "content": self.content,
+            "tool_calls": [c.to_dict() for c in self.tool_calls],
+            "invalid_tool_calls": [c.to_dict() for c in self.invalid_tool_calls],
             "finish_reason": self.finish_reason,
             "usage": self.usage.to_dict(),
             "members": list(self.members),
@@ -225,6 +270,8 @@ class StreamEvent:
 
     ``delta`` is the text that became safe to show: usually the segment's text, minus any tail
     held back because it could be the start of a stop string (released with a later event).
+    When tools are given, ``delta`` carries only answer text: tool-call markup is held back and
+    the parsed calls arrive in the final ``result``.
     The last event has ``done=True`` and carries the full ``result``.
     """
 

@@ -65,8 +65,12 @@ class MemberSession(Protocol):
         """
         ...
 
-    def commit(self, text: str) -> None:
-        """Append the winning text to the committed response."""
+    def commit(self, text: str, *, final: bool = False) -> None:
+        """Append the winning text to the committed response.
+
+        ``final=True`` marks the last segment of the request: only the token accounting is
+        updated (no member will continue from it, so no KV work is needed).
+        """
         ...
 
     def close(self) -> None:

@@ -124,6 +124,9 @@ class TransformersMember:
         kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **model_kwargs}
         if gguf_file:
             kwargs["gguf_file"] = gguf_file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per weight file is noise in a CLI / notebook
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             if attn_implementation:
@@ -347,13 +350,15 @@ class TransformersSession(MemberSession):
                 self._score_batch(pending, out)
         return [s if s is not None else CandidateScore() for s in out]
 
-    def commit(self, text: str) -> None:
+    def commit(self, text: str, *, final: bool = False) -> None:
         """Make ``committed + text`` the cached prefix, reusing this round's KV when possible."""
         torch = self._torch
         full = self._m.encode_response(self._text + text)
         draft, score_pass = self._draft, self._pass
         with torch.inference_mode():
-            if (
+            if final:
+                pass  # accounting only: nobody continues from here
+            elif (
                 draft is not None
                 and draft.canonical
                 and draft.text == text

@@ -1,0 +1,75 @@
+"""Scripted members for the engine's control-flow tests (EOS, stop strings, ties, failures).
+
+They follow the Member protocol exactly but decide drafts and scores from a script, so a test
+can state the expected decision. Real-model behaviour is tested with tiny transformers models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specem_core import Candidate, CandidateScore, Draft, SamplingParams, SessionRequest
+
+
+@dataclass
+class ScriptedMember:
+    name: str
+    drafts: list[tuple[str, bool]] = field(default_factory=list)
+    """Round k returns drafts[k-1] (the last one repeats)."""
+    scorer: Callable[[str, Candidate], float] = lambda committed, c: float(len(c.text) + 1)
+    can_draft: bool = True
+    can_verify: bool = True
+    context_window: int | None = None
+    concurrency_key: str = "scripted"
+    fail_on: set[str] = field(default_factory=set)
+    """Stages (open/draft/score/commit) that raise."""
+    calls: list[str] = field(default_factory=list)
+
+    def open(self, request: SessionRequest) -> ScriptedSession:
+        self.calls.append("open")
+        if "open" in self.fail_on:
+            raise RuntimeError(f"{self.name} cannot open")
+        return ScriptedSession(self, request)
+
+
+class ScriptedSession:
+    def __init__(self, member: ScriptedMember, request: SessionRequest) -> None:
+        self.member = member
+        self.request = request
+        self.text = ""
+        self.round = 0
+        self.final = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(str(m.get("content", "")).split()) for m in self.request.messages)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.text.split())
+
+    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+        self.member.calls.append("draft")
+        if "draft" in self.member.fail_on:
+            raise TimeoutError(f"{self.member.name} timed out")
+        self.round += 1
+        text, ended = self.member.drafts[min(self.round, len(self.member.drafts)) - 1]
+        return Draft(text=text, ended=ended, tokens=len(text.split()))
+
+    def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        self.member.calls.append("score")
+        if "score" in self.member.fail_on:
+            raise ConnectionError(f"{self.member.name} refused")
+        values = [self.member.scorer(self.text, c) for c in candidates]
+        return [CandidateScore(mean_logit=v, mean_logprob=v - 100.0, n_tokens=1) for v in values]
+
+    def commit(self, text: str, *, final: bool = False) -> None:
+        self.member.calls.append("commit")
+        if "commit" in self.member.fail_on:
+            raise RuntimeError("commit failed")
+        self.text += text
+        self.final = final
+
+    def close(self) -> None:
+        self.member.calls.append("close")

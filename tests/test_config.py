@@ -1,0 +1,74 @@
+"""Config validation: every bad value is a ConfigError naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from specem_core import ConfigError, SpecEMConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("segment_len", 0),
+        ("segment_len", 2.5),
+        ("segment_len", True),
+        ("max_new_tokens", -1),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("repetition_penalty", 0.0),
+        ("scoring", "mean_prob"),
+        ("normalization", "rank"),
+        ("hedge_decay", "linear"),
+        ("exit_min_prob", 1.0),
+        ("exit_entropy_ratio", 2.0),
+        ("softmax_temperature", 0),
+        ("seed", "seven"),
+        ("stop", ("",)),
+        ("member_retries", -1),
+    ],
+)
+def test_bad_values_raise_config_error_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SpecEMConfig(**{field: value})
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="segment_len"):
+        SpecEMConfig(segment_len=0)
+
+
+def test_replace_validates_and_rejects_unknown_fields() -> None:
+    cfg = SpecEMConfig()
+    assert cfg.replace(segment_len=5).segment_len == 5
+    assert cfg.replace(segment_len=None) is cfg
+    with pytest.raises(ConfigError, match="unknown SpecEM option"):
+        cfg.replace(segmentlen=5)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        cfg.replace(max_new_tokens=0)
+
+
+def test_stop_accepts_a_single_string_or_a_list() -> None:
+    assert SpecEMConfig(stop="END").stop == ("END",)  # type: ignore[arg-type]
+    assert SpecEMConfig().replace(stop=["a", "b"]).stop == ("a", "b")
+
+
+def test_faithful_mode_forces_the_authors_formulas() -> None:
+    cfg = SpecEMConfig(faithful=True, scoring="mean_logprob", eos_voting=True, hedge_decay="sqrt")
+    assert cfg.scoring == "mean_logit"
+    assert cfg.normalization == "sum"
+    assert cfg.nonpositive_rule == "raw"
+    assert cfg.hedge_decay == "inverse"
+    assert cfg.eos_voting is False
+    assert cfg.model_exit is False
+
+
+def test_to_dict_is_plain_json() -> None:
+    import json
+
+    json.dumps(SpecEMConfig(stop=("x",)).to_dict())

@@ -1,0 +1,205 @@
+"""The loop's control flow: stopping, streaming, ties, Hedge trace, failures, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from scripted import ScriptedMember
+
+from specem_core import (
+    AllMembersFailedError,
+    ConfigError,
+    InputError,
+    SpecEM,
+    SpecEMConfig,
+)
+
+
+def _engine(*members: ScriptedMember, **cfg: object) -> SpecEM:
+    return SpecEM(list(members), SpecEMConfig(**cfg))  # type: ignore[arg-type]
+
+
+def test_final_word_is_kept_when_the_winner_ends() -> None:
+    a = ScriptedMember("a", drafts=[("The answer", False), (" is 42", True)])
+    b = ScriptedMember("b", drafts=[("Hm", False), ("", True)])
+    result = _engine(a, b).generate("q")
+    assert result.text == "The answer is 42"
+    assert result.finish_reason == "stop"
+    assert [s.winner for s in result.segments] == ["a", "a"]
+
+
+def test_max_new_tokens_ends_with_length() -> None:
+    a = ScriptedMember("a", drafts=[("w w w", False)])
+    result = _engine(a, max_new_tokens=7).generate("q")
+    assert result.finish_reason == "length"
+    assert len(result.text.split()) >= 7
+
+
+def test_stop_string_straddling_segments_is_cut_and_never_streamed() -> None:
+    a = ScriptedMember("a", drafts=[("Thought: go\nObs", False), ("ervation: x", False), ("more", False)])
+    events = list(_engine(a, stop=("Observation:",)).stream("q"))
+    streamed = "".join(e.delta for e in events)
+    assert streamed == "Thought: go\n"
+    assert events[-1].done
+    assert events[-1].result is not None
+    assert events[-1].result.text == "Thought: go\n"
+    assert events[-1].result.finish_reason == "stop"
+    assert "Obs" not in events[0].delta  # held back: it could have been the start of the stop string
+
+
+def test_one_event_per_committed_segment_and_deltas_add_up() -> None:
+    a = ScriptedMember("a", drafts=[("one ", False), ("two ", False), ("three", True)])
+    events = list(_engine(a).stream("q"))
+    assert [e.done for e in events] == [False, False, True]
+    assert [e.segment.text for e in events if e.segment] == ["one ", "two ", "three"]
+    assert "".join(e.delta for e in events) == "one two three"
+
+
+def test_tie_goes_to_the_lowest_member_index() -> None:
+    same = lambda committed, c: 1.0  # noqa: E731
+    a = ScriptedMember("a", drafts=[("A", True)], scorer=same)
+    b = ScriptedMember("b", drafts=[("B", True)], scorer=same)
+    assert _engine(a, b).generate("q").text == "A"
+    assert _engine(b, a).generate("q").text == "B"
+
+
+def test_trace_holds_matrices_weights_and_hedge() -> None:
+    prefer_b = lambda committed, c: 2.0 if c.text.startswith("B") else 1.0  # noqa: E731
+    members = [ScriptedMember(n, drafts=[(n.upper() + " ", False)], scorer=prefer_b) for n in "abc"]
+    result = _engine(*members, max_new_tokens=6).generate("q")
+    seg = result.segments[0]
+    assert seg.winner == "b"
+    assert [c.member for c in seg.candidates] == ["a", "b", "c"]
+    assert seg.raw_scores == [[1.0, 2.0, 1.0]] * 3
+    assert seg.normalized[0] == pytest.approx([0.25, 0.5, 0.25])
+    assert seg.rewards == pytest.approx([0.5, 1.0, 0.5])  # b beats both others for both other judges
+    assert seg.weights[1] > seg.weights[0]
+    assert sum(seg.weights) == pytest.approx(1.0)
+    assert seg.learning_rate == pytest.approx(0.5 / 3**0.5)
+    assert result.segments[1].learning_rate == pytest.approx(0.5 / 3**0.5 / 2**0.5)
+
+
+def test_hedge_off_keeps_uniform_weights() -> None:
+    members = [ScriptedMember(n, drafts=[(n, False)]) for n in "abc"]
+    result = _engine(*members, hedge=False, max_new_tokens=3).generate("q")
+    assert all(s.weights == pytest.approx([1 / 3] * 3) for s in result.segments)
+    assert all(s.rewards == [] for s in result.segments)
+
+
+def test_verifier_only_member_scores_but_never_drafts() -> None:
+    judge = ScriptedMember("judge", drafts=[("J", True)], can_draft=False)
+    a = ScriptedMember("a", drafts=[("a ", True)])
+    b = ScriptedMember("b", drafts=[("bb ", True)])
+    result = _engine(a, b, judge).generate("q")
+    assert "draft" not in judge.calls
+    assert "score" in judge.calls
+    assert result.segments[0].verifiers == ["a", "b", "judge"]
+    assert result.segments[0].drafters == ["a", "b"]
+
+
+def test_model_exit_reduces_members_per_round() -> None:
+    prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
+    members = [ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a) for n in "abc"]
+    cfg = dict(model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10)
+    result = _engine(*members, **cfg).generate("q")
+    assert result.members_per_round[0] == 3
+    assert result.members_per_round[-1] == 1
+    assert "score" in members[2].calls  # exited members keep verifying
+
+
+def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:
+    good = ScriptedMember("good", drafts=[("fine", True)])
+    bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})
+    result = _engine(bad, good, member_retries=2).generate("q")
+    assert result.text == "fine"
+    assert bad.calls.count("draft") == 3
+    assert [(e.member, e.stage) for e in result.excluded] == [("bad", "draft")]
+    assert "TimeoutError" in result.excluded[0].error
+
+
+def test_failing_verifier_and_open_are_excluded() -> None:
+    good = ScriptedMember("good", drafts=[("ok ", False), ("done", True)])
+    other = ScriptedMember("other", drafts=[("o", False)])
+    bad_score = ScriptedMember("bad_score", drafts=[("zzzz", False)], fail_on={"score"})
+    bad_open = ScriptedMember("bad_open", fail_on={"open"})
+    result = _engine(good, other, bad_score, bad_open, member_retries=0).generate("q")
+    assert {(e.member, e.stage) for e in result.excluded} == {("bad_score", "score"), ("bad_open", "open")}
+    assert result.text.endswith("done")
+
+
+def test_every_drafter_failing_raises_with_reasons() -> None:
+    bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})
+    with pytest.raises(AllMembersFailedError, match="bad"):
+        _engine(bad, member_retries=0).generate("q")
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([], "empty"),
+        ("", "empty"),
+        ([{"role": "user", "content": "   "}], "empty"),
+        ([{"role": "wizard", "content": "hi"}], "unknown role"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "only text"),
+        (["hi"], "mapping"),
+        (42, "list"),
+    ],
+)
+def test_bad_messages_raise_input_error(messages: object, match: str) -> None:
+    engine = _engine(ScriptedMember("a", drafts=[("x", True)]))
+    with pytest.raises(InputError, match=match):
+        engine.generate(messages)  # type: ignore[arg-type]
+
+
+def test_bad_ensembles_raise_config_error() -> None:
+    with pytest.raises(ConfigError, match="at least one member"):
+        SpecEM([])
+    with pytest.raises(ConfigError, match="unique"):
+        SpecEM([ScriptedMember("a"), ScriptedMember("a")])
+    with pytest.raises(ConfigError, match="no member can draft"):
+        SpecEM([ScriptedMember("a", can_draft=False)])
+    with pytest.raises(ConfigError, match="segment_len"):
+        SpecEM([ScriptedMember("a")], segment_len=0)
+    with pytest.raises(ConfigError, match="unknown SpecEM option"):
+        _engine(ScriptedMember("a", drafts=[("x", True)])).generate("q", segmentlen=3)
+
+
+def test_caller_messages_are_not_mutated() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    _engine(ScriptedMember("a", drafts=[("x", True)])).generate(msgs)
+    assert msgs == [{"role": "user", "content": "hi"}]
+
+
+def test_usage_counts_the_final_segment() -> None:
+    a = ScriptedMember("a", drafts=[("one two ", False), ("three", True)])
+    result = _engine(a).generate("hello world")
+    assert result.usage.completion_tokens == 3
+    assert result.usage.prompt_tokens == 2
+    assert result.usage.total_tokens == 5
+    assert result.usage.per_member[0].drafted_tokens == 3
+
+
+async def test_async_generate_and_stream_match_sync() -> None:
+    def members() -> list[ScriptedMember]:
+        return [ScriptedMember("a", drafts=[("x ", False), ("y", True)])]
+
+    sync = SpecEM(members()).generate("q")
+    got = await SpecEM(members()).agenerate("q")
+    assert got.text == sync.text
+    deltas = [e.delta async for e in SpecEM(members()).astream("q")]
+    assert "".join(deltas) == sync.text
+
+
+async def test_astream_cancellation_stops_the_run() -> None:
+    a = ScriptedMember("a", drafts=[("w ", False)])
+    engine = SpecEM([a], SpecEMConfig(max_new_tokens=10_000))
+    agen = engine.astream("q")
+    first = await agen.__anext__()
+    assert first.delta == "w "
+    await agen.aclose()
+    await asyncio.sleep(0.05)
+    n = a.calls.count("draft")
+    await asyncio.sleep(0.05)
+    assert a.calls.count("draft") == n  # the worker stopped
+    assert a.calls[-1] == "close"

