@@ -8,6 +8,7 @@ the canonical call syntax in a system message. Both fallbacks are documented in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,7 +42,7 @@ def template_supports_tools(template: str | None) -> bool:
 
         env = jinja2.Environment()
         return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
-    except Exception:  # noqa: BLE001 - unparsable template: fall back to a substring test
+    except Exception:
         return "tools" in template
 
 
@@ -51,7 +52,9 @@ def tool_system_message(tools: Sequence[Mapping[str, Any]]) -> str:
     return TOOL_SYSTEM_PROMPT.format(tools="\n".join(lines))
 
 
-def with_tool_instructions(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def with_tool_instructions(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """Prepend (or extend) the system message with the fallback tool instructions."""
     out = [dict(m) for m in messages]
     text = tool_system_message(tools)
@@ -84,11 +87,10 @@ def _call_text(call: Mapping[str, Any]) -> str:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             args = json.loads(args)
-        except json.JSONDecodeError:
-            pass
-    return f"{TOOL_CALL_OPEN}{json.dumps({'name': fn.get('name'), 'arguments': args}, ensure_ascii=False)}{TOOL_CALL_CLOSE}"
+    body = json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
 
 
 def render_plain(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -151,7 +153,7 @@ class ChatFormat:
                 chat_template=self.template,
                 tokenize=False,
             )
-        except Exception:  # noqa: BLE001 - templates may reject this probe; no end-of-turn then
+        except Exception:
             return None
         idx = str(text).rfind(marker)
         return str(text)[idx + len(marker) :] if idx >= 0 else None

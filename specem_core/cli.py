@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from specem_core import __version__
 from specem_core.config import SpecEMConfig
 from specem_core.errors import SpecEMError
+from specem_core.types import GenerationResult
 
 _COLORS = ("\033[36m", "\033[35m", "\033[33m", "\033[32m", "\033[34m", "\033[31m")
 _RESET = "\033[0m"
@@ -99,15 +100,15 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     members += [load_member(s, device=args.device, can_draft=False, log=log) for s in args.verifier]
     engine = SpecEM(members, config)
     if args.json:
-        result = engine.generate(messages)
-        out.write(json.dumps(result.to_dict(), ensure_ascii=False, indent=2) + "\n")
+        full = engine.generate(messages)
+        out.write(json.dumps(full.to_dict(), ensure_ascii=False, indent=2) + "\n")
         return 0
     color = out.isatty()
     palette = {m.name: _COLORS[i % len(_COLORS)] for i, m in enumerate(members)}
     if color:
         legend = "  ".join(f"{palette[m.name]}{m.name}{_RESET}" for m in members)
         print(f"members: {legend}", file=err, flush=True)
-    result = None
+    result: GenerationResult | None = None
     for event in engine.stream(messages):
         if event.delta:
             if color and event.segment is not None:

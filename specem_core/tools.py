@@ -435,8 +435,16 @@ def _close_json(text: str) -> str | None:
         out += "\\" if escape else ""
         out += '"'
     out = out.rstrip()
-    while out.endswith((",", ":")):
-        out = out[:-1].rstrip()
+    while True:  # drop a dangling separator or a key without its value
+        if out.endswith(","):
+            out = out[:-1].rstrip()
+        elif out.endswith(":"):
+            key = re.search(r'(,\s*)?"(?:[^"\\]|\\.)*"\s*:$', out)
+            if key is None:
+                return None
+            out = out[: key.start()].rstrip()
+        else:
+            break
     return out + "".join(reversed(stack))
 
 
@@ -499,7 +507,8 @@ def _make_call(obj: Any, raw: str, tools: Mapping[str, Mapping[str, Any]]) -> To
         except ValueError:
             return InvalidToolCall(new_call_id(), name, raw_args, "arguments are not valid JSON")
     if not isinstance(args, Mapping):
-        return InvalidToolCall(new_call_id(), name, raw_args, f"arguments must be a JSON object, got {_json_type(args)}")
+        error = f"arguments must be a JSON object, got {_json_type(args)}"
+        return InvalidToolCall(new_call_id(), name, raw_args, error)
     schema = tools.get(name, {}).get("parameters") if tools else None
     if schema:
         try:
@@ -803,7 +812,8 @@ class _PrefixParser:
         seen: set[str] = set()
         deferred_args: str | None = None
         while True:
-            allowed = [k for k in _CALL_KEYS if k not in seen and not (k in _ARGUMENT_KEYS and seen & set(_ARGUMENT_KEYS))]
+            has_args = bool(seen & set(_ARGUMENT_KEYS))
+            allowed = [k for k in _CALL_KEYS if k not in seen and not (k in _ARGUMENT_KEYS and has_args)]
             key = self.string(allowed)
             seen.add(key)
             self.expect(":")
@@ -819,7 +829,9 @@ class _PrefixParser:
                     self.string()
                 else:
                     self._check_kind(self.peek(), {"object"})
+                    saved, self.root = self.root, (schema or {})
                     self.value(schema if schema else {})
+                    self.root = saved
                 if name is None:
                     deferred_args = self.s[start : self.i]
             self.ws()
@@ -880,31 +892,33 @@ class ToolCallConstraint:
         return self.accepts(committed + candidate, len(committed))
 
     def accepts(self, text: str, start: int = 0) -> bool:
-        """Whether ``text`` is acceptable, looking only at regions that reach past ``start``."""
+        """Whether ``text`` is acceptable, looking only at what reaches past ``start``."""
         spans, bodies = _regions(text)
         for n, ((s, e), body) in enumerate(zip(spans, bodies, strict=True)):
-            if e <= start and e < len(text):
-                continue
-            ok, end = _check_call_text(body, self._tools)
-            if not ok:
-                return False
-            if end is None:
-                continue  # still open: valid prefix
-            rest = body[end:].lstrip()
-            if rest:
-                return False
+            limit = spans[n + 1][0] if n + 1 < len(spans) else len(text)
+            if limit <= start:
+                continue  # this call and the text after it were committed already
             closed = text.startswith(TOOL_CALL_CLOSE, s + len(TOOL_CALL_OPEN) + len(body))
-            if not closed:
-                tail = text[s + len(TOOL_CALL_OPEN) + len(body) :]
-                if n + 1 < len(spans) or not TOOL_CALL_CLOSE.startswith(tail):
-                    return False  # something other than the close tag follows the call
-                continue
-            after = text[e : spans[n + 1][0] if n + 1 < len(spans) else len(text)]
-            if after.strip():
-                if self._single or not (TOOL_CALL_OPEN.startswith(after.strip())):
+            if e > start:
+                ok, end = _check_call_text(body, self._tools)
+                if not ok:
                     return False
-            if self._single and n + 1 < len(spans):
-                return False
+                if end is None:
+                    if e < len(text):
+                        return False  # a new call opened inside an unfinished one
+                    continue  # still open: a valid prefix
+                rest = body[end:].lstrip()
+                if not closed and e == len(text):
+                    if not TOOL_CALL_CLOSE.startswith(rest):
+                        return False  # only the close tag may follow the call
+                    continue
+                if rest or not closed:
+                    return False
+            if self._single:
+                continue  # the request stops at the close tag: what follows is never kept
+            after = text[e:limit].strip()
+            if after and (n + 1 < len(spans) or not TOOL_CALL_OPEN.startswith(after)):
+                return False  # between calls only whitespace
         return True
 
     def trim(self, committed: str, candidate: str) -> str:
@@ -1088,10 +1102,11 @@ class OutputPlan:
                 if response_format.get("type") == "json_schema" and schema
                 else JSON_INSTRUCTION
             )
+            is_object = schema is None or _types(_resolve(schema, schema)) in (None, {"object"})
             return cls(
                 tools=[],
                 choice=ToolChoice("none"),
-                prefill="{",
+                prefill="{" if is_object else "",
                 constraint=JSONConstraint(schema),
                 instruction=instruction,
             )

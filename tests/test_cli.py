@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
 import pytest
 
 from specem_core.cli import main
@@ -67,7 +68,9 @@ def test_chat_streams_text_and_reports(tiny_dirs: list[str], capsys: pytest.Capt
 
 
 def test_chat_json_has_the_trace(tiny_dirs: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "12", "--json"])
+    code = main(
+        ["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "12", "--json"]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["finish_reason"] in ("stop", "length")
@@ -93,4 +96,3 @@ def test_end_to_end_on_the_real_default_models(default_members: list[object]) ->
     assert data["members"] == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
     assert data["text"]
     assert data["config"]["faithful"] is True
-

@@ -90,9 +90,16 @@ def tiny_llama(seed: int = 0) -> tuple[Any, Any]:
     tok = chatml_tokenizer()
     _seeded(seed)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
     )
     return LlamaForCausalLM(cfg).eval(), tok
 
@@ -103,9 +110,16 @@ def tiny_qwen2(seed: int = 1) -> tuple[Any, Any]:
     tok = turns_tokenizer()
     _seeded(seed)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
     )
     return Qwen2ForCausalLM(cfg).eval(), tok
 
@@ -116,10 +130,19 @@ def tiny_gemma3(seed: int = 2, sliding_window: int = 16) -> tuple[Any, Any]:
     tok = turns_tokenizer()
     _seeded(seed)
     cfg = Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-        sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"],
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
     )
     return Gemma3ForCausalLM(cfg).eval(), tok
 

@@ -25,6 +25,8 @@ class SamplingParams:
     top_k: int = 0
     """0 disables top-k."""
     repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    """Never pick an end-of-turn token."""
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ class TransformersMember:
             kwargs["gguf_file"] = gguf_file
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # one bar per weight file is noise in a CLI / notebook
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per weight file is noise in a CLI / notebook
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
             if attn_implementation:
@@ -138,7 +138,7 @@ class TransformersMember:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelNotFoundError(f"could not load model {str(model_id_or_path)!r}: {first}") from exc
         if device_map is None and device is not None:
-            model = model.to(device)
+            model = model.to(device)  # type: ignore[arg-type]
         return cls(
             model,
             tokenizer,
@@ -165,7 +165,10 @@ class TransformersMember:
         return TransformersSession(self, request)
 
     def __repr__(self) -> str:
-        return f"TransformersMember(name={self.name!r}, device={self._device}, draft={self.can_draft}, verify={self.can_verify})"
+        return (
+            f"TransformersMember(name={self.name!r}, device={self._device}, "
+            f"draft={self.can_draft}, verify={self.can_verify})"
+        )
 
     # -- tokenizer helpers ------------------------------------------------------------------
     def encode_prompt(self, request: SessionRequest) -> list[int]:
@@ -256,7 +259,7 @@ class TransformersSession(MemberSession):
             )
         self._text = ""
         self._resp_ids: list[int] = []
-        self._cache = DynamicCache()
+        self._cache: Any = DynamicCache()  # layers are read and re-pointed directly (views, no copies)
         self._generator: torch.Generator | None = None
         if request.seed is not None:
             self._generator = torch.Generator(device="cpu")
@@ -296,8 +299,7 @@ class TransformersSession(MemberSession):
                 scores.append(score)
                 history.add(token)
                 if len(ids) >= max_tokens and (
-                    not self._decode_continuation(ids).endswith("\ufffd")
-                    or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
+                    not self._decode_continuation(ids).endswith("\ufffd") or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
                 ):
                     break
                 logits = self._feed([token])
@@ -392,7 +394,7 @@ class TransformersSession(MemberSession):
     def _committed_len(self) -> int:
         return len(self._prompt_ids) + len(self._resp_ids)
 
-    def _feed(self, ids: Sequence[int]) -> torch.Tensor:
+    def _feed(self, ids: Sequence[int]) -> Any:
         """Run ``ids`` through the model on top of the cache; return next-token logits (fp32)."""
         torch = self._torch
         with torch.inference_mode():
@@ -443,13 +445,16 @@ class TransformersSession(MemberSession):
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, history: set[int]) -> int:
         torch = self._torch
         work = logits
-        if self._m.suppress_ids:
+        banned = self._m.suppress_ids + (sorted(self._m.stop_ids) if sampling.ignore_eos else [])
+        if banned:
             work = work.clone()
-            work[self._m.suppress_ids] = float("-inf")
+            work[banned] = float("-inf")
         if sampling.repetition_penalty != 1.0 and history:
             idx = torch.tensor(sorted(history), dtype=torch.long, device=logits.device)
             picked = work[idx]
-            penalized = torch.where(picked > 0, picked / sampling.repetition_penalty, picked * sampling.repetition_penalty)
+            penalized = torch.where(
+                picked > 0, picked / sampling.repetition_penalty, picked * sampling.repetition_penalty
+            )
             work = work.clone()
             work[idx] = penalized
         if sampling.temperature <= 0:
@@ -506,9 +511,7 @@ class TransformersSession(MemberSession):
             target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
             raw = logits[b, positions, target_ids]
             lps = logprobs[b, positions, target_ids]
-            out[n] = CandidateScore(
-                mean_logit=float(raw.mean()), mean_logprob=float(lps.mean()), n_tokens=len(targets)
-            )
+            out[n] = CandidateScore(mean_logit=float(raw.mean()), mean_logprob=float(lps.mean()), n_tokens=len(targets))
             text_end = len(seq) - (1 if with_eos else 0)  # row positions holding the candidate's text
             if text_end - 1 - offset >= 0 and (text not in score_pass.rows or not with_eos):
                 score_pass.rows[text] = _Row(b, full, base + text_end, logits[b, text_end - 1 - offset].clone())

