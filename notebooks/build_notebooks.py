@@ -1,0 +1,169 @@
+"""Write (and optionally execute) the example notebooks from the cell sources below.
+
+    python notebooks/build_notebooks.py            # write the .ipynb files
+    python notebooks/build_notebooks.py --execute  # write and execute them in place (stores outputs)
+
+The notebooks are also executed by ``tests/test_notebooks.py`` (a cell that raises fails the tests).
+Keeping their sources here makes diffs reviewable; the committed .ipynb files carry the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).parent
+
+QUICKSTART = [
+    new_markdown_cell(
+        "# SpecEM quickstart\n\n"
+        "Several small models write one answer together, **segment by segment**: each drafts the next ~10 tokens, "
+        "every model scores every draft, the best one is committed and everybody continues from it. "
+        "This notebook runs the embedded default models offline (SmolLM2-135M-Instruct and "
+        "Qwen2.5-Coder-0.5B-Instruct, plus Gemma-3-270M as a verify-only member) and shows who wrote what."
+    ),
+    new_code_cell(
+        "import warnings\n\n"
+        "warnings.filterwarnings('ignore', message='IProgress not found')  # tqdm without ipywidgets\n"
+        "from specem_core import SpecEM, SpecEMConfig\n"
+        "from specem_core.models import load_member\n\n"
+        "members = [load_member('smollm2'), load_member('qwen2.5-coder'), load_member('gemma3', can_draft=False)]\n"
+        "engine = SpecEM(members, SpecEMConfig(max_new_tokens=48))\n"
+        "[m.name for m in engine.members]"
+    ),
+    new_code_cell(
+        "result = engine.generate('Give two tips for learning a new language.')\n"
+        "print(result.text)\n"
+        "print(result.finish_reason, result.usage.completion_tokens, 'tokens in', round(result.seconds, 1), 's')\n"
+        "result.wins"
+    ),
+    new_markdown_cell("## The answer, coloured by the member whose segment won"),
+    new_code_cell(
+        "import html\n"
+        "from IPython.display import HTML\n\n"
+        "COLORS = {m.name: c for m, c in zip(engine.members, ['#1f77b4', '#d62728', '#2ca02c'])}\n\n"
+        "def render(result):\n"
+        "    legend = ' '.join(f'<span style=\"color:{COLORS[n]}\">■ {n}</span>' for n in result.members)\n"
+        "    spans = ''.join(\n"
+        '        f\'<span title="round {s.index}" style="color:{COLORS[s.winner]}">{html.escape(s.text)}</span>\'\n'
+        "        for s in result.segments)\n"
+        "    return HTML(f'<p>{legend}</p><pre style=\"white-space:pre-wrap\">{spans}</pre>')\n\n"
+        "render(result)"
+    ),
+    new_markdown_cell(
+        "## How the verifier weights moved\n\n"
+        "Hedge rewards a member whose drafts the *other* verifiers rank high; its weight as a judge grows."
+    ),
+    new_code_cell(
+        "import matplotlib.pyplot as plt\n\n"
+        "plt.rcParams['figure.dpi'] = 72  # keeps the committed PNGs small\n"
+        "fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))\n"
+        "rounds = [s.index for s in result.segments if s.weights]\n"
+        "for j, name in enumerate(result.segments[0].verifiers):\n"
+        "    ax1.plot(rounds, [s.weights[j] for s in result.segments if s.weights], marker='o', label=name,\n"
+        "             color=COLORS[name])\n"
+        "ax1.set_xlabel('round'); ax1.set_ylabel('weight'); ax1.set_title('verifier weights'); ax1.legend(fontsize=7)\n"
+        "wins = {n: 0 for n in result.members}\n"
+        "for s in result.segments:\n"
+        "    wins[s.winner] += 1\n"
+        "    for n in wins:\n"
+        "        ax2.bar(s.index, 1 if n == s.winner else 0, color=COLORS[n])\n"
+        "ax2.set_xlabel('round'); ax2.set_yticks([]); ax2.set_title('winner of each round')\n"
+        "plt.tight_layout(); plt.show()"
+    ),
+    new_markdown_cell("One round's evidence: candidates, raw scores (mean logit) and normalized scores per verifier."),
+    new_code_cell(
+        "seg = result.segments[0]\n"
+        "for i, c in enumerate(seg.candidates):\n"
+        "    print(f'{c.member:>30}: {c.text!r}  ended={c.ended}  S={seg.combined[i]:.3f}')\n"
+        "for name, raw, norm in zip(seg.verifiers, seg.raw_scores, seg.normalized):\n"
+        "    print(f'{name:>30}: raw={[round(v, 2) for v in raw]}  normalized={[round(v, 3) for v in norm]}')"
+    ),
+    new_markdown_cell(
+        "## Model Exit\n\n"
+        "Our design of SpecFuse's Model Exit: once one drafter clearly dominates the cumulative vote, the others stop "
+        "drafting (they keep verifying). Fewer member calls per round."
+    ),
+    new_code_cell(
+        "exit_result = engine.generate('List three uses of a paperclip.', model_exit=True, exit_min_rounds=2)\n"
+        "print(exit_result.text)\n"
+        "plt.figure(figsize=(5, 2.5))\n"
+        "plt.step(range(1, len(exit_result.segments) + 1), exit_result.members_per_round, where='mid')\n"
+        "plt.ylim(0, 3); plt.xlabel('round'); plt.ylabel('drafters'); plt.title('members drafting per round')\n"
+        "plt.show()\n"
+        "exit_result.members_per_round"
+    ),
+    new_markdown_cell("## Streaming: one event per committed segment"),
+    new_code_cell(
+        "for event in engine.stream('Say hello in French and in Spanish.', max_new_tokens=24):\n"
+        "    if event.segment is not None:\n"
+        "        print(f'[{event.segment.winner}] {event.delta!r}')"
+    ),
+]
+
+BENCHMARKS = [
+    new_markdown_cell(
+        "# Benchmarks\n\n"
+        "Speed figures come from `python benchmarks/speed.py` (one run, side by side against each member's plain "
+        "greedy decoding); quality figures from `python benchmarks/quality.py report`. This notebook only reads "
+        "their committed outputs."
+    ),
+    new_code_cell(
+        "import json\n"
+        "from pathlib import Path\n\n"
+        "root = Path.cwd() if (Path.cwd() / 'benchmarks').exists() else Path.cwd().parent\n"
+        "speed_file = root / 'benchmarks' / 'results' / 'speed.json'\n"
+        "speed = json.loads(speed_file.read_text()) if speed_file.exists() else None\n"
+        "if speed is None:\n"
+        "    print('no speed results yet: run python benchmarks/speed.py')\n"
+        "else:\n"
+        "    for r in speed['rows']:\n"
+        "        print(f\"T={r['tokens']:>4}  ensemble {r['ensemble_s']:6.1f}s  floor {r['floor_s']:6.1f}s  \"\n"
+        "              f\"ratio {r['ratio_vs_floor']:.2f}  first segment {r['first_segment_s']:.2f}s\")\n"
+        "    print('per-token growth', round(speed['growth'], 2))\n"
+        "    if speed.get('naive'):\n"
+        "        print('no-cache loop per-token cost vs engine', round(speed['naive']['vs_engine_per_token'], 2))"
+    ),
+    new_code_cell(
+        "import matplotlib.pyplot as plt\n\n"
+        "plt.rcParams['figure.dpi'] = 72\n"
+        "if speed is not None:\n"
+        "    rows = speed['rows']\n"
+        "    xs = [str(r['tokens']) for r in rows]\n"
+        "    plt.figure(figsize=(5, 3))\n"
+        "    plt.bar([x + ' floor' for x in xs], [r['floor_s'] for r in rows], color='#999')\n"
+        "    plt.bar([x + ' SpecEM' for x in xs], [r['ensemble_s'] for r in rows], color='#1f77b4')\n"
+        "    plt.ylabel('seconds'); plt.title('ensemble vs. sum of members alone'); plt.xticks(rotation=30)\n"
+        "    plt.tight_layout(); plt.show()"
+    ),
+    new_code_cell(
+        "summary = root / 'benchmarks' / 'results' / 'quality' / 'summary.md'\n"
+        "from IPython.display import Markdown\n"
+        "Markdown(summary.read_text()) if summary.exists() else print('no quality results yet')"
+    ),
+]
+
+NOTEBOOKS = {"01_quickstart.ipynb": QUICKSTART, "05_benchmarks.ipynb": BENCHMARKS}
+
+
+def build(execute: bool) -> None:
+    for name, cells in NOTEBOOKS.items():
+        nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
+        path = HERE / name
+        if execute:
+            from nbclient import NotebookClient
+
+            NotebookClient(
+                nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
+            ).execute()
+        nbformat.write(nb, path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--execute", action="store_true")
+    build(parser.parse_args().execute)
