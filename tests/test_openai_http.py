@@ -1,0 +1,629 @@
+"""OpenAI-compatible HTTP members against in-process fakes (``httpx.MockTransport``).
+
+The fakes model vLLM and llama-cpp-python closely (``fake_openai_server``); the same member code
+runs against a real llama-cpp-python server in ``test_openai_http_live.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from fake_openai_server import CHATML, FakeServer
+
+from specem_core import AllMembersFailedError, ModelNotFoundError, SpecEM, SpecEMConfig
+from specem_core.backends.base import SamplingParams, SessionRequest
+from specem_core.backends.openai_http import (
+    AlignmentError,
+    CapabilityError,
+    EchoLogprobs,
+    HTTPMemberError,
+    OpenAIClient,
+    OpenAIHTTPMember,
+    RequestCancelledError,
+    RetryPolicy,
+    ServerCapabilities,
+    ServerResponseError,
+    align_echo,
+    continuation_anchor,
+    parse_echo_logprobs,
+    run_sync,
+    splice_continuation,
+)
+from specem_core.types import Candidate
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+FAST = RetryPolicy(max_retries=2, backoff_base=0.001, backoff_max=0.01)
+
+
+def member(server: FakeServer, name: str = "m", **kwargs: Any) -> OpenAIHTTPMember:
+    kwargs.setdefault("chat_template", CHATML)
+    kwargs.setdefault("end_of_turn", "<|im_end|>")
+    kwargs.setdefault("retry", FAST)
+    base_url = kwargs.pop("base_url", "http://fake.test/v1")
+    return OpenAIHTTPMember(base_url, name=name, transport=server.transport(), **kwargs)
+
+
+def open_session(m: OpenAIHTTPMember, messages: list[dict[str, str]] | None = None) -> Any:
+    return m.open(SessionRequest(messages or QUESTION))
+
+
+# -- probing ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dialect", "bos", "shift", "zero"),
+    [
+        ("vllm", "<|im_start|>", 0, "zero"),
+        ("llama", "<|im_start|>", 0, "unlimited"),  # SmolLM2: BOS == <|im_start|>, dropped from echo
+        ("llama", "<|endoftext|>", 1, "unlimited"),  # Qwen: the prompt does not start with BOS
+    ],
+)
+def test_probe_detects_echo_alignment_and_max_tokens_zero(dialect: str, bos: str, shift: int, zero: str) -> None:
+    m = member(FakeServer(dialect=dialect, bos=bos))
+    caps = m.probe()
+    assert caps.completions
+    assert caps.echo_logprobs
+    assert caps.echo_shift == shift
+    assert caps.max_tokens_zero == zero
+    assert caps.server == ("vllm" if dialect == "vllm" else "llama-cpp-python")
+    assert m.modes == ("completions", "logprobs")
+    assert m.model == "fake"  # taken from /v1/models
+
+
+def test_probe_detects_prefill_support_without_a_local_template() -> None:
+    vllm = OpenAIHTTPMember("http://v/v1", transport=FakeServer(dialect="vllm").transport(), retry=FAST)
+    llama = OpenAIHTTPMember("http://l/v1", transport=FakeServer(dialect="llama").transport(), retry=FAST)
+    assert vllm.probe().chat_prefill is True
+    assert vllm.modes[0] == "chat_prefill"
+    assert llama.probe().chat_prefill is False  # llama-cpp-python starts a new turn instead
+    assert llama.modes[0] == "chat_continue"
+
+
+def test_unusable_echo_falls_back_to_the_judge_and_never_scores_it() -> None:
+    server = FakeServer(dialect="vllm")
+    inner = server.handler
+
+    def no_logprobs(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions") and not request.url.path.endswith("chat/completions"):
+            body = json.loads(request.content)
+            if body.get("echo"):
+                return httpx.Response(400, json={"error": "echo is not supported"})
+        return inner(request)
+
+    m = OpenAIHTTPMember("http://x/v1", chat_template=CHATML, transport=httpx.MockTransport(no_logprobs), retry=FAST)
+    caps = m.probe()
+    assert caps.completions
+    assert not caps.echo_logprobs
+    assert m.modes == ("completions", "judge")
+    strict = OpenAIHTTPMember(
+        "http://x/v1", verify_mode="logprobs", transport=httpx.MockTransport(no_logprobs), retry=FAST
+    )
+    with pytest.raises(CapabilityError):
+        strict.probe()
+
+
+def test_given_capabilities_skip_the_probe() -> None:
+    server = FakeServer(dialect="vllm")
+    caps = ServerCapabilities(server="vllm", model="fake", completions=True, echo_logprobs=True, echo_shift=0)
+    m = member(server, capabilities=caps)
+    session = open_session(m)
+    assert session.draft(4, SamplingParams()).text == "The capital of France"
+    assert len(server.requests) == 1
+
+
+# -- drafting ---------------------------------------------------------------------------------
+def test_completions_draft_continues_the_committed_text_exactly() -> None:
+    server = FakeServer(dialect="vllm")
+    s = open_session(member(server))
+    first = s.draft(4, SamplingParams())
+    assert (first.text, first.ended, first.tokens) == ("The capital of France", False, 4)
+    s.commit(first.text)
+    second = s.draft(10, SamplingParams())
+    assert (second.text, second.ended) == (" is Paris.", True)
+    assert server.requests[-1]["prompt"].endswith("<|im_start|>assistant\nThe capital of France")
+    assert server.requests[-1]["temperature"] == 0.0
+    assert "repeat_penalty" not in server.requests[-1]  # vLLM dialect: no llama.cpp fields
+
+
+def test_llama_dialect_gets_neutral_sampling_fields() -> None:
+    server = FakeServer(dialect="llama")
+    s = open_session(member(server))
+    s.draft(3, SamplingParams())
+    body = server.requests[-1]
+    assert (body["repeat_penalty"], body["top_k"], body["min_p"]) == (1.0, 0, 0.0)  # its defaults are 1.1, 40, 0.05
+
+
+def test_chat_prefill_draft_sends_continue_final_message() -> None:
+    server = FakeServer(dialect="vllm")
+    m = OpenAIHTTPMember("http://v/v1", transport=server.transport(), retry=FAST, verify_mode="logprobs")
+    s = open_session(m)
+    assert s.draft_mode == "chat_prefill"
+    s.commit(s.draft(4, SamplingParams()).text)
+    second = s.draft(10, SamplingParams())
+    assert second.text == " is Paris."
+    body = server.requests[-1]
+    assert body["continue_final_message"] is True
+    assert body["add_generation_prompt"] is False
+    assert body["messages"][-1] == {"role": "assistant", "content": "The capital of France"}
+
+
+def test_chat_continue_draft_splices_at_the_repeated_words() -> None:
+    def handler(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]["content"]
+        content = "France is Paris." if "<partial>" in last else "The capital of"
+        return {"choices": [{"message": {"content": content}, "finish_reason": "stop"}], "usage": {}}
+
+    server = FakeServer(dialect="llama", chat_handler=handler)
+    m = OpenAIHTTPMember("http://l/v1", draft_mode="chat_continue", transport=server.transport(), retry=FAST)
+    s = open_session(m)
+    s.commit(s.draft(4, SamplingParams()).text + " France")
+    draft = s.draft(4, SamplingParams())
+    assert draft.text == " is Paris."
+    prompt = server.requests[-1]["messages"][-1]["content"]
+    assert "<partial>The capital of France</partial>" in prompt
+    assert '"capital of France"' in prompt
+
+
+@pytest.mark.parametrize(
+    ("partial", "reply", "expected"),
+    [
+        ("The capital of France", "capital of France is Paris.", " is Paris."),
+        ("The capital of France", "of France is Paris.", " is Paris."),  # another overlap
+        ("The capital of France", "is Paris.", " is Paris."),  # no overlap: a space between words
+        ("The capital of France,", "Paris.", " Paris."),
+        ("The capital ", "of France", "of France"),
+        ("", "Paris", "Paris"),
+        ("naïve café", "café au lait", " au lait"),
+    ],
+)
+def test_splice_continuation(partial: str, reply: str, expected: str) -> None:
+    assert splice_continuation(partial, reply, continuation_anchor(partial)) == expected
+
+
+# -- exact verification -----------------------------------------------------------------------
+def scores(server: FakeServer, committed: str, cands: list[Candidate], **kw: Any) -> list[Any]:
+    s = open_session(member(server, **kw))
+    s.commit(committed)
+    return list(s.score(cands, score_eos=True))
+
+
+CANDS = [
+    Candidate("a", " is Paris.", True),
+    Candidate("b", " is Berlin.", True),
+    Candidate("c", " is", False),
+    Candidate("d", "", True),
+]
+
+
+def test_scores_are_exact_mean_logprobs_of_the_candidate_span() -> None:
+    server = FakeServer(dialect="vllm", weights={" Berlin": -5.0, " Paris": -0.2, " is": -0.4, "<|im_end|>": -0.7})
+    row = scores(server, "The capital of France", CANDS)
+    # " is Paris." + EOS: (-0.4 - 0.2 - 0.05 - 0.7) / 4
+    assert row[0].mean_logprob == pytest.approx((-0.4 - 0.2 - 0.05 - 0.7) / 4)
+    assert row[0].n_tokens == 4
+    assert row[1].mean_logprob == pytest.approx((-0.4 - 5.0 - 0.05 - 0.7) / 4)
+    assert row[2].mean_logprob == pytest.approx(-0.4)
+    assert row[3].mean_logprob == pytest.approx(-0.7)  # only the end of turn
+    assert row[0].mean_logit is None
+    assert sum(r.probability for r in row) == pytest.approx(1.0)
+    assert row[0].probability > row[1].probability
+
+
+@pytest.mark.parametrize("bos", ["<|im_start|>", "<|endoftext|>"])
+def test_llama_dialects_give_the_vllm_scores(bos: str) -> None:
+    weights = {" Berlin": -5.0, " Paris": -0.2, " is": -0.4, "<|im_end|>": -0.7}
+    reference = scores(FakeServer(dialect="vllm", weights=weights), "The capital of France", CANDS[:3])
+    llama = FakeServer(dialect="llama", bos=bos, weights=weights)
+    m = member(llama)
+    s = open_session(m)
+    s.commit("The capital of France")
+    row = s.score([Candidate("a", " is Paris.", False), Candidate("b", " is Berlin.", False), CANDS[2]], score_eos=True)
+    expected = [(-0.4 - 0.2 - 0.05) / 3, (-0.4 - 5.0 - 0.05) / 3, -0.4]
+    assert [r.mean_logprob for r in row] == pytest.approx(expected)
+    if bos == "<|im_start|>":
+        with_eos = s.score(CANDS[:3], score_eos=True)
+        assert [r.mean_logprob for r in with_eos] == pytest.approx([r.mean_logprob for r in reference])
+    assert m.stats.inexact_tokens == 0
+
+
+def test_shifted_server_cannot_score_end_of_turn_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    m = member(FakeServer(dialect="llama", bos="<|endoftext|>"))
+    s = open_session(m)
+    with caplog.at_level(logging.WARNING, logger="specem.http"):
+        row = s.score([Candidate("a", "Paris.", True), Candidate("b", "Rome.", True)], score_eos=True)
+    assert [r.n_tokens for r in row] == [2, 2]  # text only
+    assert m.stats.inexact_tokens == 2
+    assert "end-of-turn log-prob unknown" in caplog.text
+    strict = member(FakeServer(dialect="llama", bos="<|endoftext|>"), strict_scoring=True)
+    with pytest.raises(AlignmentError):
+        open_session(strict).score([Candidate("a", "Paris.", True), Candidate("b", "x", False)], score_eos=True)
+
+
+def test_shifted_server_bounds_tokens_missing_from_top_k_or_raises_when_strict() -> None:
+    server = FakeServer(dialect="llama", bos="<|endoftext|>", weights={" Berlin": -5.0}, top_k_cap=1)
+    m = member(server, top_logprobs=1)
+    m.probe()
+    s = open_session(m)
+    row = s.score([Candidate("a", " Berlin", False), Candidate("b", " x", False)], score_eos=False)
+    assert row[0].mean_logprob == pytest.approx(-3.0)  # the slot's lowest listed value (zzz), not -5
+    assert m.stats.inexact_tokens == 1
+    strict = member(
+        FakeServer(dialect="llama", bos="<|endoftext|>", weights={" Berlin": -5.0}, top_k_cap=1),
+        top_logprobs=1,
+        strict_scoring=True,
+    )
+    with pytest.raises(AlignmentError, match="missing"):
+        open_session(strict).score([Candidate("a", " Berlin", False), Candidate("b", " x", False)], score_eos=False)
+
+
+def test_multibyte_text_aligns() -> None:
+    server = FakeServer(dialect="llama", answer="Café naïve — déjà vu 東京.")
+    s = open_session(member(server))
+    d = s.draft(3, SamplingParams())
+    s.commit(d.text)
+    row = s.score([Candidate("a", " naïve — déjà", False), Candidate("b", " 東京", False)], score_eos=False)
+    assert all(r.n_tokens > 0 for r in row)
+
+
+def test_server_whose_alignment_changes_after_the_probe_is_caught() -> None:
+    server = FakeServer(dialect="llama", bos="<|im_start|>")  # probe: aligned
+    m = member(server)
+    m.probe()
+    server.bos = "<|endoftext|>"  # now every answer is shifted: a silent mis-score unless caught
+    s = open_session(m)
+    s.commit("The capital")
+    with pytest.raises(AlignmentError):
+        s.score([Candidate("a", " of France is", False), Candidate("b", " of Spain is", False)], score_eos=False)
+
+
+def echo(tokens: list[str], offsets: list[int], text: str) -> EchoLogprobs:
+    n = len(tokens)
+    return EchoLogprobs(text, tokens, [None] + [-1.0] * (n - 1), [None] * n, offsets)
+
+
+def test_align_echo_refuses_text_that_does_not_match() -> None:
+    e = echo(["P", "ab", "cd"], [0, 1, 3], "Pabcd")
+    assert align_echo("Pabcd", e, region_start=1, text_end=5).text_entries == [1, 2]
+    with pytest.raises(AlignmentError):
+        align_echo("Pabxx", e, region_start=1, text_end=5)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"choices": []},
+        {"choices": [{"text": "x", "logprobs": {"tokens": ["a"], "token_logprobs": [], "text_offset": [0]}}]},
+        {"choices": [{"text": "x", "logprobs": {"tokens": ["a"], "token_logprobs": ["bad"], "text_offset": [0]}}]},
+        {
+            "choices": [
+                {"text": "x", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [0, 0], "text_offset": [1, 0]}}
+            ]
+        },
+        {"choices": [{"text": "x", "logprobs": None}]},
+        ["not", "an", "object"],
+    ],
+)
+def test_wrong_logprob_shapes_are_rejected(answer: Any) -> None:
+    with pytest.raises(ServerResponseError):
+        parse_echo_logprobs(answer)
+
+
+# -- the client: retries, secrets, cancellation ---------------------------------------------------
+class Script:
+    """A handler that answers from a list of responses (or exceptions), then delegates."""
+
+    def __init__(self, steps: list[Any], then: Callable[[httpx.Request], httpx.Response] | None = None) -> None:
+        self.steps = list(steps)
+        self.then = then
+        self.calls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.steps:
+            step = self.steps.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            return step if isinstance(step, httpx.Response) else step(request)
+        assert self.then is not None
+        return self.then(request)
+
+
+def ok(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"ok": True})
+
+
+def client(handler: Any, **kw: Any) -> tuple[OpenAIClient, list[float]]:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    kw.setdefault("retry", RetryPolicy(max_retries=3, backoff_base=0.25, backoff_max=1.0))
+    return OpenAIClient("http://c/v1", transport=httpx.MockTransport(handler), sleep=sleep, **kw), slept
+
+
+def test_429_retry_after_is_honoured_then_success() -> None:
+    script = Script([httpx.Response(429, headers={"Retry-After": "7"}, json={"error": "slow down"})], then=ok)
+    c, slept = client(script)
+    assert run_sync(c.post("/x", {})) == {"ok": True}
+    assert slept == [7.0]
+    assert c.retries == 1
+
+
+def test_retry_after_beyond_the_cap_fails_fast() -> None:
+    c, slept = client(Script([httpx.Response(429, headers={"Retry-After": "3600"})], then=ok))
+    with pytest.raises(HTTPMemberError, match="Retry-After"):
+        run_sync(c.post("/x", {}))
+    assert slept == []
+
+
+def test_5xx_and_connection_errors_back_off_exponentially() -> None:
+    req = httpx.Request("POST", "http://c/v1/x")
+    script = Script(
+        [httpx.Response(500), httpx.ConnectError("refused", request=req), httpx.Response(503)],
+        then=ok,
+    )
+    c, slept = client(script)
+    assert run_sync(c.post("/x", {})) == {"ok": True}
+    assert len(slept) == 3
+    for attempt, delay in enumerate(slept):  # base 0.25 doubling, ±50% jitter, capped at 1.0
+        nominal = min(1.0, 0.25 * 2**attempt)
+        assert 0.5 * nominal <= delay <= 1.5 * nominal
+
+
+def test_4xx_is_not_retried_and_retries_are_bounded() -> None:
+    script = Script([httpx.Response(400, json={"error": "bad request"})], then=ok)
+    c, _ = client(script)
+    with pytest.raises(HTTPMemberError, match="400") as info:
+        run_sync(c.post("/x", {}))
+    assert info.value.status == 400
+    assert script.calls == 1
+    c2, slept = client(lambda r: httpx.Response(502))
+    with pytest.raises(HTTPMemberError, match="after 4 attempts"):
+        run_sync(c2.post("/x", {}))
+    assert len(slept) == 3
+
+
+def test_malformed_and_truncated_json_raise_response_errors() -> None:
+    c, _ = client(lambda r: httpx.Response(200, content=b'{"choices": [{"text": "ab'))
+    with pytest.raises(ServerResponseError, match="malformed JSON"):
+        run_sync(c.post("/x", {}))
+
+
+SECRET = "sk-test-SECRET-0123456789"
+HEADER_SECRET = "hdr-SECRET-abcdef"
+
+
+def test_api_keys_never_reach_repr_errors_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+
+    def echoing(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization", ""))
+        seen.append(request.headers.get("x-api-key", ""))
+        # A hostile / careless server that echoes credentials back in its error body.
+        body = f"invalid key {request.headers.get('authorization')} {request.headers.get('x-api-key')}"
+        return httpx.Response(503 if len(seen) < 3 else 401, text=body)
+
+    m = OpenAIHTTPMember(
+        "http://secret.test/v1",
+        "model",
+        api_key=SECRET,
+        headers={"X-Api-Key": HEADER_SECRET},
+        transport=httpx.MockTransport(echoing),
+        retry=FAST,
+    )
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(HTTPMemberError) as info:
+            m.probe()
+        engine = SpecEM([m], SpecEMConfig(max_new_tokens=4))
+        with pytest.raises(AllMembersFailedError) as engine_error:
+            engine.generate("hi")
+    assert seen[0] == f"Bearer {SECRET}"  # the key is sent…
+    assert seen[1] == HEADER_SECRET
+    texts = [repr(m), str(m.__dict__), repr(m.client), str(info.value), repr(info.value), caplog.text]
+    texts.append(str(engine_error.value))
+    for text in texts:  # …and shown nowhere
+        assert SECRET not in text
+        assert HEADER_SECRET not in text
+    assert "***" in str(info.value)
+
+
+def test_cancel_interrupts_an_in_flight_request() -> None:
+    started = threading.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        if body.get("max_tokens") == 4:  # the draft below (not the probe)
+            started.set()
+            await asyncio.sleep(30)
+        return FakeServer(dialect="vllm").handler(request)
+
+    m = OpenAIHTTPMember("http://slow/v1", chat_template=CHATML, transport=httpx.MockTransport(slow), retry=FAST)
+    m.probe()
+    s = open_session(m)
+    errors: list[BaseException] = []
+
+    def draft() -> None:
+        try:
+            s.draft(4, SamplingParams())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=draft)
+    worker.start()
+    assert started.wait(5)
+    s.cancel()
+    worker.join(5)
+    assert not worker.is_alive()
+    assert time.perf_counter() - t0 < 5
+    assert isinstance(errors[0], RequestCancelledError)
+    s.close()
+    with pytest.raises(RequestCancelledError):
+        s.draft(4, SamplingParams())
+
+
+async def test_async_api_and_task_cancellation() -> None:
+    gate = asyncio.Event()
+    server = FakeServer(dialect="vllm")
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/completions") and json.loads(request.content).get("max_tokens") == 99:
+            await asyncio.sleep(30)
+        return server.handler(request)
+
+    m = OpenAIHTTPMember("http://a/v1", chat_template=CHATML, transport=httpx.MockTransport(handler), retry=FAST)
+    await asyncio.to_thread(m.probe)
+    s = await asyncio.to_thread(open_session, m)
+    draft = await s.adraft(4, SamplingParams())
+    assert draft.text == "The capital of France"
+    task = asyncio.ensure_future(s.adraft(99, SamplingParams()))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    row = await s.ascore([Candidate("a", "The", False), Candidate("b", "A", False)], score_eos=False)
+    assert len(row) == 2
+    await m.aclose()
+
+
+# -- the engine: fault injection --------------------------------------------------------------------
+def faulty(kind: str, stage: str) -> httpx.MockTransport:
+    """A healthy fake whose draft (plain completion) or score (echo) requests fail with ``kind``."""
+    inner = FakeServer(dialect="vllm", answer="Paris is the capital of France.").handler
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        is_score = bool(body.get("echo"))
+        is_probe = "Count from 1 to 40" in body.get("prompt", "") or request.url.path.endswith("/models")
+        hit = not is_probe and (is_score if stage == "score" else not body.get("echo"))
+        if not hit:
+            return inner(request)
+        if kind == "timeout":
+            raise httpx.ReadTimeout("read timed out", request=request)
+        if kind == "500":
+            return httpx.Response(500, text="internal error")
+        if kind == "429":
+            return httpx.Response(429, headers={"Retry-After": "0"}, text="rate limited")
+        if kind == "malformed":
+            return httpx.Response(200, content=b"<html>502 Bad Gateway</html>")
+        if kind == "truncated":
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        if kind == "shape":
+            answer = inner(request).json()
+            lp = answer["choices"][0].get("logprobs")
+            if lp:
+                lp["token_logprobs"] = lp["token_logprobs"][:-2]
+            else:
+                answer["choices"] = [{"index": 0}]
+            return httpx.Response(200, json=answer)
+        raise AssertionError(kind)
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("stage", ["draft", "score"])
+@pytest.mark.parametrize("kind", ["timeout", "500", "429", "malformed", "truncated", "shape"])
+def test_failing_member_is_excluded_and_the_answer_completes(kind: str, stage: str) -> None:
+    good = member(FakeServer(dialect="vllm"), name="good")
+    bad = OpenAIHTTPMember(
+        "http://bad.test/v1",
+        name="bad",
+        chat_template=CHATML,
+        end_of_turn="<|im_end|>",
+        transport=faulty(kind, stage),
+        retry=FAST,
+    )
+    result = SpecEM([good, bad], SpecEMConfig(segment_len=4, max_new_tokens=32, member_retries=1)).generate(QUESTION)
+    assert result.text == "The capital of France is Paris."
+    assert result.finish_reason == "stop"
+    assert [e.member for e in result.excluded] == ["bad"]
+    exclusion = result.excluded[0]
+    assert exclusion.stage == stage
+    assert exclusion.round == 1
+
+
+def test_transient_429_is_retried_without_exclusion() -> None:
+    inner = FakeServer(dialect="vllm").handler
+    script = Script([], then=inner)
+    throttled = {"left": 2}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        if body.get("max_tokens") == 4 and throttled["left"] > 0:
+            throttled["left"] -= 1
+            return httpx.Response(429, headers={"Retry-After": "0"})
+        return script(request)
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    m = OpenAIHTTPMember(
+        "http://t/v1",
+        chat_template=CHATML,
+        end_of_turn="<|im_end|>",
+        transport=httpx.MockTransport(handler),
+        retry=FAST,
+        sleep=sleep,
+    )
+    result = SpecEM([m], SpecEMConfig(segment_len=4, max_new_tokens=32)).generate(QUESTION)
+    assert result.text == "The capital of France is Paris."
+    assert result.excluded == []
+    assert slept == [0.0, 0.0]
+
+
+def test_two_http_members_vote_and_the_better_candidate_wins() -> None:
+    paris = FakeServer(dialect="vllm", answer="Paris.", weights={"Berlin": -6.0, "Paris": -0.1})
+    berlin = FakeServer(dialect="llama", answer="Berlin.", weights={"Berlin": -6.0, "Paris": -0.1})
+    a = member(paris, name="a", base_url="http://server-a:8000/v1")
+    b = member(berlin, name="b", base_url="http://server-b:8000/v1")
+    assert a.concurrency_key != b.concurrency_key  # different servers: the engine runs them concurrently
+    result = SpecEM([b, a], SpecEMConfig(segment_len=8, max_new_tokens=16)).generate(QUESTION)
+    assert result.text == "Paris."
+    assert result.segments[0].winner == "a"
+    assert result.excluded == []
+    assert result.segments[0].verifiers == ["b", "a"]
+
+
+def test_member_specs() -> None:
+    from specem_core import APIJudgeMember, OpenAIHTTPMember
+    from specem_core.backends.openai_http import is_http_spec, member_from_spec
+
+    assert is_http_spec("openai:http://gpu-1:8000/v1#Qwen/Qwen2.5-7B-Instruct")
+    assert not is_http_spec("smollm2")
+    m = member_from_spec("openai:http://gpu-1:8000/v1#Qwen/Qwen2.5-7B-Instruct", name="q")
+    assert isinstance(m, OpenAIHTTPMember)
+    assert (m.base_url, m.model, m.name) == ("http://gpu-1:8000/v1", "Qwen/Qwen2.5-7B-Instruct", "q")
+    assert m.concurrency_key == "http:gpu-1:8000/v1"
+    j = member_from_spec("judge:https://api.example.com/v1#gpt-judge")
+    assert isinstance(j, APIJudgeMember)
+    assert (j.can_draft, j.verify_mode) == (False, "judge")
+    with pytest.raises(ModelNotFoundError):
+        member_from_spec("openai:gpu-1:8000")
+    with pytest.raises(ModelNotFoundError, match="NO_SUCH_KEY_VAR"):
+        member_from_spec("judge:https://api.example.com/v1#m", api_key_env="NO_SUCH_KEY_VAR")
+
+
+def test_local_tokenizer_gives_template_exact_counts_and_ignore_eos_bias() -> None:
+    import tiny
+
+    tok = tiny.chatml_tokenizer()
+    server = FakeServer(dialect="llama")
+    m = OpenAIHTTPMember("http://l/v1", tokenizer=tok, transport=server.transport(), retry=FAST)
+    assert m.end_of_turn == "<|im_end|>"
+    s = open_session(m)
+    prompt = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    assert s.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+    d = s.draft(4, SamplingParams(ignore_eos=True))
+    assert server.requests[-1]["logit_bias"] == {str(tok.convert_tokens_to_ids("<|im_end|>")): -100.0}
+    s.commit(d.text)
+    assert s.completion_tokens == len(tok.encode(d.text, add_special_tokens=False))
