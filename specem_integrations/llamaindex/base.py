@@ -1,0 +1,483 @@
+"""``SpecEMLLM``: the SpecEM ensemble as a LlamaIndex function-calling LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.llms.generic_utils import (
+    achat_to_completion_decorator,
+    astream_chat_to_completion_decorator,
+    chat_to_completion_decorator,
+    stream_chat_to_completion_decorator,
+)
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+
+from specem_core.config import SpecEMConfig
+from specem_core.errors import ConfigError, InputError
+from specem_core.types import validate_messages
+from specem_integrations.llamaindex._convert import (
+    new_tool_call_id,
+    resolve_tool_choice,
+    to_engine_messages,
+    to_openai_tools,
+    tool_kwargs_dict,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.tools import BaseTool
+
+    from specem_core.engine import SpecEM
+    from specem_core.types import GenerationResult, Segment, StreamEvent
+
+_CONFIG_FIELDS = frozenset(SpecEMConfig.__dataclass_fields__)
+_IGNORED_KWARGS = frozenset({"formatted", "verbose"})
+"""Keyword arguments LlamaIndex passes along that mean nothing to a local ensemble."""
+
+
+class SpecEMLLM(FunctionCallingLLM):
+    """A SpecEM ensemble (several LLMs voting segment by segment) as a LlamaIndex LLM.
+
+    Use it wherever LlamaIndex takes an LLM: ``Settings.llm``, query and chat engines,
+    ``FunctionAgent`` (tool calls come back as ``ToolCallBlock`` s) and ``ReActAgent``.
+
+    Example:
+        >>> from llama_index.core import Settings
+        >>> from specem_integrations.llamaindex import SpecEMLLM
+        >>> Settings.llm = SpecEMLLM(max_new_tokens=64)   # the default pair, loaded on first use
+        >>> llm = SpecEMLLM(members=["smollm2", "qwen2.5-coder"], segment_len=8)
+        >>> llm = SpecEMLLM(engine=my_engine)              # an engine you built yourself  # doctest: +SKIP
+
+    The engine is built lazily (on the first request or ``metadata`` access) and only once, even
+    when several threads ask at the same time. Streaming yields one ``ChatResponse`` per
+    committed segment: ``message`` holds the text so far and ``delta`` the new piece; the last
+    one also carries the tool calls and the SpecEM trace. Every response puts the trace in
+    ``raw`` (the full ``GenerationResult.to_dict()``) and a compact view in
+    ``additional_kwargs`` (usage, finish_reason, segments with text / winner / scores / weights,
+    members_per_round).
+    """
+
+    model_name: str | None = Field(
+        default=None,
+        description="Name reported in metadata; default 'specem:' + the member names.",
+    )
+    members: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Members to load with specem_core.load_member (default model names, local directories, "
+            ".gguf files or HF ids). Empty: the default pair. Ignored when an engine is passed."
+        ),
+    )
+    max_new_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="Response cap in the first member's tokens (None: the engine's; reported as num_output).",
+    )
+    temperature: float | None = Field(default=None, ge=0.0, description="Drafting temperature (0 = greedy).")
+    segment_len: int | None = Field(default=None, gt=0, description="Tokens each member drafts per round.")
+    stop: list[str] | None = Field(default=None, description="Stop strings; the answer ends before them.")
+    context_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="Override of the context window (default: the smallest member's).",
+    )
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other SpecEMConfig fields (hedge, model_exit, scoring, ...) for every request.",
+    )
+
+    _engine: Any = PrivateAttr(default=None)
+    _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, engine: SpecEM | None = None, **kwargs: Any) -> None:
+        """Create the LLM.
+
+        Args:
+            engine: a ready :class:`specem_core.SpecEM`; without one, the engine is built on
+                first use from ``members`` (or the default pair).
+            **kwargs: the fields above and LlamaIndex's own (``callback_manager``,
+                ``system_prompt``, ...).
+        """
+        super().__init__(**kwargs)
+        unknown = sorted(set(self.engine_options) - _CONFIG_FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown SpecEM option(s) in engine_options: {', '.join(unknown)}")
+        if engine is not None and not (callable(getattr(engine, "stream", None)) and hasattr(engine, "astream")):
+            raise TypeError(f"engine must be a specem_core.SpecEM, got {type(engine).__name__}")
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Serialization name."""
+        return "SpecEM_LLM"
+
+    # -- engine ---------------------------------------------------------------------------------
+    @property
+    def engine(self) -> SpecEM:
+        """The engine, built on first access (thread-safe, once)."""
+        engine = self._engine
+        if engine is None:
+            with self._engine_lock:
+                if self._engine is None:
+                    self._engine = self._build_engine()
+                engine = self._engine
+        return engine  # type: ignore[no-any-return]
+
+    @property
+    def engine_loaded(self) -> bool:
+        """True once the engine exists (passed in or built)."""
+        return self._engine is not None
+
+    def _build_engine(self) -> SpecEM:
+        from specem_core.engine import SpecEM
+        from specem_core.models import default_members, load_member
+
+        members = [load_member(spec) for spec in self.members] if self.members else default_members()
+        return SpecEM(members, SpecEMConfig())
+
+    def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """SpecEM config for one request: engine_options < the LLM's fields < call kwargs."""
+        overrides: dict[str, Any] = dict(self.engine_options)
+        for name in ("max_new_tokens", "temperature", "segment_len", "stop"):
+            value = getattr(self, name)
+            if value is not None:
+                overrides[name] = value
+        call = dict(kwargs)
+        if "max_tokens" in call:  # the usual name in other LLM classes
+            call.setdefault("max_new_tokens", call.pop("max_tokens"))
+        unknown = sorted(k for k in call if k not in _CONFIG_FIELDS and k not in _IGNORED_KWARGS)
+        if unknown:
+            raise TypeError(f"SpecEMLLM got unexpected keyword argument(s): {', '.join(unknown)}")
+        overrides.update({k: v for k, v in call.items() if k in _CONFIG_FIELDS and v is not None})
+        if isinstance(overrides.get("stop"), list):
+            overrides["stop"] = tuple(overrides["stop"])
+        # Fail here, with the option's name, rather than deep inside the engine.
+        self._validate_config(overrides)
+        return overrides
+
+    def _validate_config(self, overrides: dict[str, Any]) -> None:
+        engine = self._engine
+        base = engine.config if engine is not None and hasattr(engine, "config") else SpecEMConfig()
+        base.replace(**overrides)
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window of the smallest member, ``num_output`` = ``max_new_tokens``."""
+        engine = self.engine
+        window = self.context_window or getattr(engine, "context_window", None) or DEFAULT_CONTEXT_WINDOW
+        config = getattr(engine, "config", None)
+        num_output = self.max_new_tokens or (config.max_new_tokens if config is not None else 256)
+        return LLMMetadata(
+            context_window=int(window),
+            num_output=int(num_output),
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self._resolved_model_name(engine),
+        )
+
+    def _resolved_model_name(self, engine: Any) -> str:
+        if self.model_name:
+            return self.model_name
+        names = [getattr(m, "name", "?") for m in getattr(engine, "members", [])]
+        return "specem:" + "+".join(names) if names else "specem"
+
+    # -- requests -------------------------------------------------------------------------------
+    def _request(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Engine messages and engine keyword arguments; raises on bad input before any work."""
+        engine_messages = validate_messages(to_engine_messages(messages))  # the engine's own check, early
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        tool_choice = kwargs.pop("tool_choice", None)
+        tool_required = bool(kwargs.pop("tool_required", False))
+        parallel = kwargs.pop("parallel_tool_calls", kwargs.pop("allow_parallel_tool_calls", False))
+        response_format = kwargs.pop("response_format", None)
+        call: dict[str, Any] = self._config_overrides(kwargs)
+        if tools:
+            schemas = to_openai_tools(tools)
+            call["tools"] = schemas
+            call["parallel_tool_calls"] = bool(parallel)
+            choice = resolve_tool_choice(tool_choice, tool_required, [s["function"]["name"] for s in schemas])
+            if choice is not None:
+                call["tool_choice"] = choice
+        elif tool_choice not in (None, "auto", "none") or tool_required:
+            raise InputError("tool_choice / tool_required given without any tools")
+        if response_format is not None:
+            call["response_format"] = response_format
+        return engine_messages, call
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Run the ensemble to the end of its answer."""
+        engine_messages, call = self._request(messages, kwargs)
+        result = self.engine.generate(engine_messages, **call)
+        return self._final_response(result, delta=None)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """One response per committed segment (cumulative ``message``, new ``delta``)."""
+        engine_messages, call = self._request(messages, kwargs)
+        engine = self.engine
+        events = engine.stream(engine_messages, **call)
+
+        def gen() -> ChatResponseGen:
+            stream = _Stream(self)
+            try:
+                for event in events:
+                    response = stream.on_event(event)
+                    if response is not None:
+                        yield response
+            finally:  # a consumer that stops early ends the run (and frees the members' caches)
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Async :meth:`chat` (the ensemble runs in a worker thread)."""
+        engine_messages, call = self._request(messages, kwargs)
+        engine = await self._aengine()
+        result = await engine.agenerate(engine_messages, **call)
+        return self._final_response(result, delta=None)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """Async :meth:`stream_chat`."""
+        engine_messages, call = self._request(messages, kwargs)
+        engine = await self._aengine()
+
+        async def gen() -> ChatResponseAsyncGen:
+            stream = _Stream(self)
+            events: AsyncIterator[StreamEvent] = engine.astream(engine_messages, **call)
+            try:
+                async for event in events:
+                    response = stream.on_event(event)
+                    if response is not None:
+                        yield response
+            finally:
+                aclose = getattr(events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+        return gen()
+
+    async def _aengine(self) -> SpecEM:
+        if self._engine is not None:
+            return self._engine  # type: ignore[no-any-return]
+        return await asyncio.to_thread(lambda: self.engine)
+
+    # -- completion views -----------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Completion through :meth:`chat` (the prompt becomes one user message)."""
+        return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Streaming completion through :meth:`stream_chat`."""
+        return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Async :meth:`complete`."""
+        return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        """Async :meth:`stream_complete`."""
+        return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
+
+    # -- tools ----------------------------------------------------------------------------------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Arguments of :meth:`chat` for a tool-calling turn (the caller's history is copied)."""
+        messages = list(chat_history or [])
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        if user_msg is not None:
+            messages.append(user_msg)
+        schemas = to_openai_tools(list(tools)) if tools else []
+        # Resolve now so that a bad tool_choice fails before the ensemble runs.
+        resolve_tool_choice(tool_choice, tool_required, [s["function"]["name"] for s in schemas])
+        out: dict[str, Any] = {"messages": messages, **kwargs}
+        if schemas:
+            out["tools"] = schemas
+            out["parallel_tool_calls"] = allow_parallel_tool_calls
+            if tool_choice is not None:
+                out["tool_choice"] = tool_choice
+            if tool_required:
+                out["tool_required"] = True
+        return out
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        """Keep only the first tool call unless parallel calls are allowed (the response is copied)."""
+        if allow_parallel_tool_calls:
+            return response
+        return force_single_tool_call(response)
+
+    def get_tool_calls_from_response(
+        self,
+        response: ChatResponse,
+        error_on_no_tool_call: bool = True,
+        **kwargs: Any,
+    ) -> list[ToolSelection]:
+        """The ``ToolCallBlock`` s of a response as ``ToolSelection`` s."""
+        blocks = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+        if not blocks:
+            if error_on_no_tool_call:
+                raise ValueError(
+                    f"expected at least one tool call in the response, got none: {response.message.content!r}"
+                )
+            return []
+        return [
+            ToolSelection(
+                tool_id=b.tool_call_id or new_tool_call_id(),
+                tool_name=b.tool_name,
+                tool_kwargs=tool_kwargs_dict(b.tool_kwargs),
+            )
+            for b in blocks
+        ]
+
+    # -- responses ------------------------------------------------------------------------------
+    def _final_response(self, result: GenerationResult, delta: str | None) -> ChatResponse:
+        """The response carrying the whole answer, the tool calls and the trace."""
+        content = getattr(result, "content", None)
+        text = result.text if content is None else content
+        calls = list(getattr(result, "tool_calls", None) or [])
+        blocks: list[Any] = [TextBlock(text=text)]
+        for call in calls:
+            blocks.append(
+                ToolCallBlock(
+                    tool_call_id=str(getattr(call, "id", None) or new_tool_call_id()),
+                    tool_name=str(call.name),
+                    tool_kwargs=dict(call.arguments) if isinstance(call.arguments, dict) else call.arguments,
+                )
+            )
+        trace = trace_summary(result, self._resolved_model_name(self._engine))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks),
+            delta=delta,
+            raw=result.to_dict(),
+            additional_kwargs=trace,
+        )
+
+
+class _Stream:
+    """Turns engine stream events into cumulative ``ChatResponse`` s."""
+
+    def __init__(self, llm: SpecEMLLM) -> None:
+        self.llm = llm
+        self.text = ""
+
+    def on_event(self, event: StreamEvent) -> ChatResponse | None:
+        self.text += event.delta
+        if event.done:
+            if event.result is None:  # pragma: no cover - the engine always attaches the result
+                raise RuntimeError("the SpecEM stream ended without a result")
+            return self.llm._final_response(event.result, delta=event.delta)
+        if not event.delta:
+            return None
+        extra: dict[str, Any] = {}
+        if event.segment is not None:
+            extra["segment"] = segment_summary(event.segment)
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=self.text),
+            delta=event.delta,
+            additional_kwargs=extra,
+        )
+
+
+def segment_summary(segment: Segment) -> dict[str, Any]:
+    """Compact, JSON-ready view of one round: what won, why, with which weights."""
+    return {
+        "index": segment.index,
+        "text": segment.text,
+        "winner": segment.winner,
+        "candidates": [c.member for c in segment.candidates],
+        "scores": list(segment.combined),
+        "weights": dict(zip(segment.verifiers, segment.weights, strict=False)),
+        "drafters": list(segment.drafters),
+    }
+
+
+def trace_summary(result: GenerationResult, model_name: str) -> dict[str, Any]:
+    """The compact SpecEM trace put in ``ChatResponse.additional_kwargs``.
+
+    Token counts use OpenAI's key names (as LlamaIndex's OpenAI LLM does) and are in the first
+    member's tokens; ``usage["per_member"]`` has every member's own counts.
+    """
+    usage = result.usage.to_dict()
+    summary: dict[str, Any] = {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "usage": usage,
+        "finish_reason": getattr(result, "finish_reason", None),
+        "model_name": model_name,
+        "members": list(result.members),
+        "members_per_round": list(result.members_per_round),
+        "wins": dict(result.wins),
+        "segments": [segment_summary(s) for s in result.segments],
+        "seconds": result.seconds,
+    }
+    if getattr(result, "excluded", None):
+        summary["excluded"] = [f"{e.member} ({e.stage}): {e.error}" for e in result.excluded]
+    invalid = getattr(result, "invalid_tool_calls", None)
+    if invalid:
+        summary["invalid_tool_calls"] = [_plain(c) for c in invalid]
+    return summary
+
+
+def _plain(obj: object) -> Any:
+    to_dict = getattr(obj, "to_dict", None)
+    return to_dict() if callable(to_dict) else repr(obj)
+
+
+def force_single_tool_call(response: ChatResponse) -> ChatResponse:
+    """A copy of ``response`` that keeps only its first ``ToolCallBlock``."""
+    blocks = list(response.message.blocks)
+    calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+    if len(calls) <= 1:
+        return response
+    keep = calls[0]
+    message = response.message.model_copy(
+        update={"blocks": [b for b in blocks if not isinstance(b, ToolCallBlock) or b is keep]}
+    )
+    return response.model_copy(update={"message": message})
