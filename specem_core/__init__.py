@@ -26,9 +26,11 @@ from specem_core.types import (
     Draft,
     Exclusion,
     GenerationResult,
+    InvalidToolCall,
     MemberUsage,
     Segment,
     StreamEvent,
+    ToolCall,
     Usage,
 )
 
@@ -51,6 +53,7 @@ __all__ = [
     "Exclusion",
     "GenerationResult",
     "InputError",
+    "InvalidToolCall",
     "Member",
     "MemberError",
     "MemberSession",
@@ -64,6 +67,7 @@ __all__ = [
     "SpecEMConfig",
     "SpecEMError",
     "StreamEvent",
+    "ToolCall",
     "TransformersMember",
     "Usage",
     "__version__",

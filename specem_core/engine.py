@@ -167,9 +167,20 @@ class SpecEM:
             return run.events()
 
         def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
-            return self._prepare(messages, tools, "none", None, False, constraint, overrides)[0].events()
+            return self._answer_instead(messages, tools, constraint, overrides)
 
         return plan.wrap(run.events(), run.messages, answer_instead)
+
+    def _answer_instead(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        constraint: CandidateFilter | None,
+        overrides: dict[str, Any],
+    ) -> Iterator[StreamEvent]:
+        """A run without tools that answers from the tool results in the conversation."""
+        run, _ = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
+        return run.events()
 
     def _prepare(
         self,
@@ -180,11 +191,15 @@ class SpecEM:
         parallel_tool_calls: bool,
         constraint: CandidateFilter | None,
         overrides: dict[str, Any],
+        *,
+        answering: bool = False,
     ) -> tuple[_Run, OutputPlan | None]:
         """Validate a request and set up its run (tools and JSON output via :class:`OutputPlan`)."""
         config = self._config.replace(**overrides)
         msgs = validate_messages(messages)
-        plan = OutputPlan.build(tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls)
+        plan = OutputPlan.build(
+            tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls, answering=answering
+        )
         if plan is None:
             return _Run(self._members, config, msgs, tools, constraint), None
         if plan.stop:
@@ -245,22 +260,32 @@ class SpecEM:
         if plan is not None:
 
             def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
-                return self._prepare(messages, tools, "none", None, False, constraint, overrides)[0].events()
+                return self._answer_instead(messages, tools, constraint, overrides)
 
             events = plan.wrap(events, run.messages, answer_instead)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
+        def send(item: tuple[str, Any]) -> bool:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                return True
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+                run.cancelled.set()
+                return False
+
         def pump() -> None:
             try:
                 for event in events:
-                    loop.call_soon_threadsafe(queue.put_nowait, ("event", event))
-                    if run.cancelled.is_set():
+                    if not send(("event", event)) or run.cancelled.is_set():
                         break
             except BaseException as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+                send(("error", exc))
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()  # release the members' sessions now, not at garbage collection
+                send(("end", None))
 
         worker = threading.Thread(target=pump, name="specem-astream", daemon=True)
         worker.start()
@@ -528,7 +553,7 @@ class _Run:
             Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners
         ]
         if self.constraint is not None:
-            owners, candidates = _constrain(self.constraint, self.text, owners, candidates)
+            owners, candidates = _constrain(self.constraint, self.text, owners, candidates, self._vote_choice)
 
         verifiers = [i for i in self._active() if self.members[i].can_verify]
         raw: list[list[float]] = []
@@ -634,10 +659,16 @@ class _Run:
 
 
 def _constrain(
-    constraint: CandidateFilter, committed: str, owners: list[int], candidates: list[Candidate]
+    constraint: CandidateFilter,
+    committed: str,
+    owners: list[int],
+    candidates: list[Candidate],
+    vote: Callable[[list[str]], str] | None = None,
 ) -> tuple[list[int], list[Candidate]]:
     """Keep the candidates the constraint accepts; when it rejects all of them, cut each back to
-    its longest accepted prefix if the constraint can (``constraint.trim``); else keep them all."""
+    its longest accepted prefix if the constraint can (``constraint.trim``); when nothing is left,
+    take one of the continuations it lists (``constraint.options``: the only one, or the one the
+    verifiers ``vote`` for), as a candidate of member ``"constraint"``; else keep them all."""
     keep = [n for n, c in enumerate(candidates) if constraint(committed, c.text)]
     if keep:
         return [owners[n] for n in keep], [candidates[n] for n in keep]
@@ -649,6 +680,11 @@ def _constrain(
             return [owners[n] for n, _ in cut], [
                 Candidate(candidates[n].member, t, False, candidates[n].tokens) for n, t in cut
             ]
+    options = getattr(constraint, "options", None)
+    choices = [o for o in (options(committed) if options is not None else []) if o]
+    if choices:
+        text = choices[0] if len(choices) == 1 or vote is None else vote(choices)
+        return owners[:1], [Candidate("constraint", text, False, 0)]
     return owners, candidates
 
 

@@ -28,6 +28,7 @@ This module holds everything the engine needs around that syntax:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -117,12 +118,28 @@ def normalize_tools(tools: Sequence[object] | None) -> list[dict[str, Any]]:
         return []
     if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
         raise InputError(f"tools must be a list of tool schemas, got {type(tools).__name__}")
-    out = [normalize_tool(t, i) for i, t in enumerate(tools)]
-    names = [t["function"]["name"] for t in out]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise InputError(f"tool names must be unique; repeated: {', '.join(repeated)}")
+    out: list[dict[str, Any]] = []
+    seen: dict[str, Any] = {}
+    for i, t in enumerate(tools):
+        tool = normalize_tool(t, i)
+        name = tool["function"]["name"]
+        shape = _without_titles(tool["function"]["parameters"])
+        if name in seen:
+            if seen[name] != shape:
+                raise InputError(f"tool names must be unique; repeated with different parameters: {name}")
+            continue  # the same tool twice (e.g. a pydantic model and its JSON schema)
+        seen[name] = shape
+        out.append(tool)
     return out
+
+
+def _without_titles(schema: Any) -> Any:
+    """A schema without its ``title`` annotations (to tell two spellings of one tool apart)."""
+    if isinstance(schema, Mapping):
+        return {k: _without_titles(v) for k, v in schema.items() if k != "title" or not isinstance(v, str)}
+    if isinstance(schema, list):
+        return [_without_titles(v) for v in schema]
+    return schema
 
 
 @dataclass(frozen=True)
@@ -348,8 +365,9 @@ def _coerce_object(value: Mapping[str, Any], schema: Mapping[str, Any], root: Ma
         sub = f"{path}.{key}"
         if key in props:
             out[key] = _coerce(v, props[key], root, sub)
-        elif props and extra in (None, False):
-            raise _CoerceError(f"{path}: unknown property {key!r} (expected {', '.join(props)})")
+        elif "properties" in schema and extra in (None, False):
+            expected = ", ".join(props) or "no arguments"
+            raise _CoerceError(f"{path}: unknown property {key!r} (expected {expected})")
         elif isinstance(extra, Mapping):
             out[key] = _coerce(v, extra, root, sub)
         else:
@@ -572,7 +590,17 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None
 
 # -- the JSON-prefix constraint -----------------------------------------------------------------
 class _Incomplete(Exception):
-    """The text ended inside a value: what was read is a valid prefix."""
+    """The text ended inside a value: what was read is a valid prefix.
+
+    ``options`` are the continuations a valid document can have from here when they can be
+    listed (the remaining property names, the matching tool names or enum values, a closing
+    brace…); empty when the next text is free (a string's content, a number)."""
+
+    def __init__(self, *options: str, may_end: bool = False) -> None:
+        super().__init__(*options)
+        self.options = [o for o in dict.fromkeys(options) if o]
+        self.may_end = may_end
+        """The value read so far is complete (a number): what may follow it is an option too."""
 
 
 class _Invalid(Exception):
@@ -582,6 +610,45 @@ class _Invalid(Exception):
 _NUMBER_PREFIX = re.compile(r"-?(0|[1-9]\d*)?(\.\d*)?([eE][+-]?\d*)?")
 _NUMBER_FULL = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
 _LITERALS = {"t": ("true", "boolean"), "f": ("false", "boolean"), "n": ("null", "null")}
+
+
+_NUMERIC_STRING = re.compile(r"\s*-?\d*(\.\d*)?\s*")
+_BOOLEAN_STRING = re.compile(r"\s*(t(r(ue?)?)?|f(a(l(se?)?)?)?|T(r(ue?)?)?|F(a(l(se?)?)?)?)?\s*")
+
+
+def _string_pattern(types: set[str] | None) -> re.Pattern[str] | None:
+    """What a string may hold when it stands for a non-string value (it is coerced later)."""
+    if not types or types & {"string", "object", "array"}:
+        return None
+    if types <= {"integer", "number", "null"}:
+        return _NUMERIC_STRING
+    if types <= {"boolean", "null"}:
+        return _BOOLEAN_STRING
+    return None
+
+
+def _key_options(
+    props: Mapping[str, Any], closed: bool, required: Sequence[str], seen: set[str], *, closing: bool = True
+) -> list[str]:
+    """What may come where an object's next key (or its end) goes."""
+    missing = [r for r in required if r not in seen]
+    if missing:  # required properties come first (the object cannot close without them)
+        return [f'"{r}": ' for r in missing] if closed else [f'"{missing[0]}": ']
+    if closed:
+        return [f'"{p}": ' for p in props if p not in seen] + (["}"] if closing else [])
+    return []
+
+
+def _value_options(schema: Any) -> list[str]:
+    """The listable values of a schema: string enums and booleans (else: free)."""
+    if not isinstance(schema, Mapping):
+        return []
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return [json.dumps(e, ensure_ascii=False) for e in enum]
+    if _types(schema) == {"boolean"}:
+        return ["true", "false"]
+    return []
 
 
 class _PrefixParser:
@@ -608,21 +675,38 @@ class _PrefixParser:
 
     def expect(self, ch: str) -> None:
         self.ws()
-        if self.peek() != ch:
+        if self.i >= len(self.s):
+            raise _Incomplete(ch)
+        if self.s[self.i] != ch:
             raise _Invalid(f"expected {ch!r} at {self.i}")
         self.i += 1
 
-    def string(self, allowed: Sequence[str] | None = None) -> str:
-        """A JSON string; with ``allowed`` its value must be (a prefix of, while open) one of them."""
+    def end_or(self, *options: str) -> None:
+        """At the end of the text, stop here with these continuations as the options."""
         self.ws()
+        if self.i >= len(self.s):
+            raise _Incomplete(*options)
+
+    def string(
+        self, allowed: Sequence[str] | None = None, pattern: re.Pattern[str] | None = None, after: str = ""
+    ) -> str:
+        """A JSON string; with ``allowed`` its value must be (a prefix of, while open) one of them;
+        with ``pattern`` its value so far must match it (a prefix pattern). ``after`` is what
+        must follow the string (used for the forced continuation)."""
+        if allowed is not None:
+            self.end_or(*(f'"{a}"{after}' for a in allowed))
         if self.peek() != '"':
             raise _Invalid("expected a string")
         self.i += 1
         out: list[str] = []
         while True:
             if self.i >= len(self.s):
-                if allowed is not None and not any(a.startswith("".join(out)) for a in allowed):
+                so_far = "".join(out)
+                matches = [a for a in allowed if a.startswith(so_far)] if allowed is not None else None
+                if matches is not None and not matches:
                     raise _Invalid("string is not a prefix of an allowed value")
+                if matches is not None:
+                    raise _Incomplete(*(f'{m[len(so_far) :]}"{after}' for m in matches))
                 raise _Incomplete
             ch = self.s[self.i]
             if ch == '"':
@@ -638,6 +722,8 @@ class _PrefixParser:
             self.i += 1
             if allowed is not None and not any(a.startswith("".join(out)) for a in allowed):
                 raise _Invalid("string is not a prefix of an allowed value")
+            if pattern is not None and not pattern.fullmatch("".join(out)):
+                raise _Invalid("string cannot become a value of the schema's type")
 
     def _escape(self) -> str:
         self.i += 1
@@ -663,7 +749,8 @@ class _PrefixParser:
         if end == len(self.s):
             if end == self.i and self.s[self.i : self.i + 1] != "-":
                 raise _Invalid("expected a number")
-            raise _Incomplete  # a number can always grow
+            # a number can always grow; a complete one may also end here
+            raise _Incomplete(may_end=bool(_NUMBER_FULL.fullmatch(self.s, self.i, end)))
         if not _NUMBER_FULL.fullmatch(self.s, self.i, end):
             raise _Invalid("malformed number")
         self.i = end
@@ -680,9 +767,9 @@ class _PrefixParser:
 
     # values with schemas
     def value(self, schema: Any = None) -> None:
-        self.ws()
-        ch = self.peek()
         schema = _resolve(schema, self.root) if schema else {}
+        self.end_or(*_value_options(schema))
+        ch = self.peek()
         variants = _variants(schema) if isinstance(schema, Mapping) else None
         types = _types(schema) if isinstance(schema, Mapping) and schema and variants is None else None
         if variants is not None:
@@ -706,13 +793,23 @@ class _PrefixParser:
             allowed = [e for e in enum if isinstance(e, str)] if isinstance(enum, list) else None
             if allowed is not None and types is not None and types != {"string"}:
                 allowed = None  # mixed enums: no prefix check
-            self.string(allowed or None)
+            self.string(allowed or None, _string_pattern(types))
         elif ch in "-0123456789":
             self.number()
         elif ch in _LITERALS:
             self.literal()
         else:
             raise _Invalid(f"unexpected {ch!r}")
+
+    def value_then(self, schema: Any, after: Sequence[str]) -> None:
+        """:meth:`value`; when the text ends in a value that may also end there, what may follow
+        it (``after``) is offered as an option."""
+        try:
+            self.value(schema)
+        except _Incomplete as exc:
+            if exc.may_end and not exc.options:
+                raise _Incomplete(*after) from exc
+            raise
 
     def _generic(self, ch: str) -> None:
         if ch == "{":
@@ -754,10 +851,10 @@ class _PrefixParser:
         self.expect("{")
         props: Mapping[str, Any] = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
-        closed = bool(props) and extra in (None, False)
+        closed = "properties" in schema and extra in (None, False)
         required = [r for r in schema.get("required", []) if isinstance(r, str)]
         seen: set[str] = set()
-        self.ws()
+        self.end_or(*_key_options(props, closed, required, seen))
         if self.peek() == "}":
             if required:
                 raise _Invalid(f"missing required {required}")
@@ -765,14 +862,19 @@ class _PrefixParser:
             return
         while True:
             allowed = [p for p in props if p not in seen] if closed else None
-            key = self.string(allowed)
+            if closed or any(r not in seen for r in required):
+                self.end_or(*_key_options(props, closed, required, seen, closing=False))
+            key = self.string(allowed, after=": ")
             if key in seen:
                 raise _Invalid(f"repeated key {key!r}")
             seen.add(key)
             self.expect(":")
             sub = props.get(key) if key in props else (extra if isinstance(extra, Mapping) else None)
-            self.value(sub)
-            self.ws()
+            missing = [r for r in required if r not in seen]
+            left = not closed or any(p not in seen for p in props)
+            after = [*([", "] if left else []), *([] if missing else ["}"])]
+            self.value_then(sub, after)
+            self.end_or(*after)
             ch = self.peek()
             if ch == ",":
                 self.i += 1
@@ -794,8 +896,8 @@ class _PrefixParser:
             self.i += 1
             return
         while True:
-            self.value(items)
-            self.ws()
+            self.value_then(items, [", ", "]"])
+            self.end_or(", ", "]")
             ch = self.peek()
             if ch == ",":
                 self.i += 1
@@ -814,11 +916,13 @@ class _PrefixParser:
         while True:
             has_args = bool(seen & set(_ARGUMENT_KEYS))
             allowed = [k for k in _CALL_KEYS if k not in seen and not (k in _ARGUMENT_KEYS and has_args)]
-            key = self.string(allowed)
+            if "name" in seen and not has_args:
+                self.end_or('"arguments": {')
+            key = self.string(allowed, after=": ")
             seen.add(key)
             self.expect(":")
             if key == "name":
-                name = self.string(list(tools))
+                name = self.string(list(tools), after="" if has_args else ', "arguments": {')
                 if deferred_args is not None:  # arguments came first: check them now
                     self._check_arguments(deferred_args, tools[name])
             else:
@@ -834,9 +938,13 @@ class _PrefixParser:
                     self.root = saved
                 if name is None:
                     deferred_args = self.s[start : self.i]
-            self.ws()
+            done = name is not None and bool(seen & set(_ARGUMENT_KEYS))
+            optional = name is not None and not (tools[name].get("parameters") or {}).get("required")
+            self.end_or(*(["}"] if done else [", ", "}"] if optional else [", "]))
             ch = self.peek()
             if ch == ",":
+                if done:
+                    raise _Invalid("the call has a name and arguments already")
                 self.i += 1
                 continue
             if ch == "}":
@@ -921,6 +1029,34 @@ class ToolCallConstraint:
                 return False  # between calls only whitespace
         return True
 
+    def forced(self, committed: str) -> str:
+        """The only valid continuation of an unfinished call at the end of ``committed``, if any
+        (the next required argument name, the rest of the only matching tool name, a closing
+        brace...); ``""`` when the text is free or the next step is a real choice."""
+        options = self.options(committed)
+        return options[0] if len(options) == 1 else ""
+
+    def options(self, committed: str) -> list[str]:
+        """The continuations an unfinished call at the end of ``committed`` can have, when they
+        can be listed (tool names, argument names, enum values, closing braces, the close tag);
+        empty when the text is free or there is no open call."""
+        spans, bodies = _regions(committed)
+        if not spans or spans[-1][1] != len(committed):
+            return []
+        body = bodies[-1]
+        if committed.endswith(TOOL_CALL_CLOSE) or not self.accepts(committed, spans[-1][0]):
+            return []
+        parser = _PrefixParser(body)
+        try:
+            parser.end_or("{")
+            parser.call(self._tools)
+        except _Incomplete as exc:
+            return exc.options
+        except _Invalid:
+            return []
+        rest = body[parser.i :].lstrip()
+        return [TOOL_CALL_CLOSE[len(rest) :]] if TOOL_CALL_CLOSE.startswith(rest) else []
+
     def trim(self, committed: str, candidate: str) -> str:
         """The longest prefix of ``candidate`` that keeps ``committed + prefix`` acceptable."""
         lo, hi = 0, len(candidate)
@@ -960,8 +1096,55 @@ class JSONConstraint:
             return False
         return not text[parser.i :].strip()
 
+    def forced(self, committed: str) -> str:
+        """The only valid continuation of the JSON answer at the end of ``committed``, if any."""
+        options = self.options(committed)
+        return options[0] if len(options) == 1 else ""
+
+    def options(self, committed: str) -> list[str]:
+        """The continuations of the JSON answer at the end of ``committed``, when they can be listed."""
+        if not self.accepts(committed):
+            return []
+        parser = _PrefixParser(committed, self._schema)
+        try:
+            parser.value(self._schema)
+        except _Incomplete as exc:
+            return exc.options
+        except _Invalid:
+            return []
+        return []
+
     def trim(self, committed: str, candidate: str) -> str:
         """The longest prefix of ``candidate`` that keeps the answer acceptable."""
+        lo, hi = 0, len(candidate)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self(committed, candidate[:mid]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return candidate[:lo]
+
+
+class PlainTextConstraint:
+    """Keeps an answer from starting a tool call or a JSON object (``tool_choice="none"``).
+
+    Rejects text whose first non-space characters are ``<tool_call>``, ``{`` or a ```` ```json ````
+    fence, and any text containing ``<tool_call>``.
+    """
+
+    MARKERS = (TOOL_CALL_OPEN, "{", "```json")
+
+    def __call__(self, committed: str, candidate: str) -> bool:
+        return self.accepts(committed + candidate)
+
+    def accepts(self, text: str) -> bool:
+        """Whether ``text`` is not a call or a JSON answer."""
+        head = text.lstrip()
+        return not head.startswith(self.MARKERS) and TOOL_CALL_OPEN not in head
+
+    def trim(self, committed: str, candidate: str) -> str:
+        """The longest prefix of ``candidate`` that keeps the answer plain."""
         lo, hi = 0, len(candidate)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -1050,6 +1233,10 @@ def _format_schema(response_format: Mapping[str, Any]) -> Mapping[str, Any] | No
 
 
 JSON_INSTRUCTION = "Answer with a single JSON object and nothing else."
+ANSWER_FROM_RESULTS = (
+    "The results of the tools you called are in the conversation. Answer the user's question "
+    "with them, in plain words. Do not call a tool again."
+)
 JSON_SCHEMA_INSTRUCTION = "Answer with a single JSON object that matches this JSON schema, and nothing else:\n{schema}"
 
 
@@ -1065,6 +1252,9 @@ class OutputPlan:
     choice: ToolChoice
     prefill: str = ""
     """Text committed before the first round (forces a call or a JSON object)."""
+    choices: tuple[str, ...] = ()
+    """Continuations of the prefill the verifiers vote on before the first round (the tool a
+    forced call names, when several tools are given)."""
     constraint: CandidateFilter | None = None
     stop: tuple[str, ...] = ()
     """Extra stop strings (a forced call ends at its close tag)."""
@@ -1081,8 +1271,13 @@ class OutputPlan:
         response_format: Mapping[str, Any] | None = None,
         *,
         parallel_tool_calls: bool = False,
+        answering: bool = False,
     ) -> OutputPlan | None:
         """Check the request's tools / tool_choice / response_format; ``None`` when there are none.
+
+        ``tool_choice="none"`` hides the tools and keeps the answer plain text; ``answering``
+        (with ``"none"``) also asks the members to answer from the tool results in the
+        conversation (used when an answer only repeated calls already answered).
 
         Raises:
             InputError: a bad tool schema, an unknown ``tool_choice``, or a bad ``response_format``.
@@ -1113,17 +1308,26 @@ class OutputPlan:
         if not normalized:
             return None
         if choice.mode == "none":
-            return cls(tools=[], choice=choice)
+            return cls(
+                tools=[],
+                choice=choice,
+                constraint=PlainTextConstraint(),
+                instruction=ANSWER_FROM_RESULTS if answering else None,
+            )
         single = not parallel_tool_calls or choice.mode == "required"
         prefill = ""
+        choices: tuple[str, ...] = ()
         if choice.mode == "required":
             prefill = f'{TOOL_CALL_OPEN}\n{{"name": "'
-            if choice.name is not None:
-                prefill += f'{choice.name}", "arguments": '
+            names = [choice.name] if choice.name is not None else [t["function"]["name"] for t in normalized]
+            choices = tuple(f'{name}", "arguments": {{' for name in names)  # arguments are an object
+            if len(choices) == 1:
+                prefill, choices = prefill + choices[0], ()
         return cls(
             tools=normalized,
             choice=choice,
             prefill=prefill,
+            choices=choices,
             constraint=ToolCallConstraint(normalized, single_call=single),
             stop=(TOOL_CALL_CLOSE,) if single else (),
             parse=True,
@@ -1161,8 +1365,18 @@ class OutputPlan:
             finish_reason=finish,
         )
 
-    def wrap(self, events: Iterator[StreamEvent]) -> Iterator[StreamEvent]:
-        """Post-process a request's events: answer-text deltas, calls on the final event."""
+    def wrap(
+        self,
+        events: Iterator[StreamEvent],
+        messages: Sequence[Mapping[str, Any]] = (),
+        answer_instead: Callable[[], Iterator[StreamEvent]] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Post-process a request's events: answer-text deltas, calls on the final event.
+
+        With ``tool_choice="auto"``, an answer whose calls all repeat calls already answered in
+        ``messages`` (same tool, same arguments) brings nothing new: when ``answer_instead`` is
+        given, its events (a run without tools) replace the final event.
+        """
         if not self.parse:
             yield from events
             return
@@ -1172,10 +1386,48 @@ class OutputPlan:
             text += event.delta
             if event.done and event.result is not None:
                 result = self.finish(event.result)
+                if answer_instead is not None and self.choice.mode == "auto" and repeats_answered_calls(
+                    result.tool_calls, messages
+                ):
+                    yield from answer_instead()
+                    return
                 delta = stream.finish(result.content or "")
                 yield dataclasses.replace(event, delta=delta, result=result)
             else:
                 yield dataclasses.replace(event, delta=stream.feed(text))
+
+
+def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+    return str(name), json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def answered_calls(messages: Sequence[Mapping[str, Any]]) -> set[tuple[str, str]]:
+    """``(tool name, canonical JSON arguments)`` of the assistant calls that got a tool result."""
+    answered_ids = {m.get("tool_call_id") for m in messages if m.get("role") == "tool"}
+    has_results = any(m.get("role") == "tool" for m in messages)
+    keys: set[tuple[str, str]] = set()
+    for m in messages:
+        if m.get("role") != "assistant":
+            continue
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, Mapping) else {}
+            if not isinstance(fn, Mapping):
+                continue
+            call_id = call.get("id") if isinstance(call, Mapping) else None
+            if call_id in answered_ids or (call_id is None and has_results):
+                keys.add(_call_key(fn.get("name"), fn.get("arguments", {})))
+    return keys
+
+
+def repeats_answered_calls(calls: Sequence[ToolCall], messages: Sequence[Mapping[str, Any]]) -> bool:
+    """True when there are calls and each repeats a call already answered in ``messages``."""
+    if not calls:
+        return False
+    answered = answered_calls(messages)
+    return all(_call_key(c.name, c.arguments) in answered for c in calls)
 
 
 @dataclass(frozen=True)
@@ -1190,3 +1442,7 @@ class _Both:
         trim = getattr(self.first, "trim", None)
         out = trim(committed, candidate) if trim else candidate
         return out if self.second(committed, out) else ""
+
+    def options(self, committed: str) -> list[str]:
+        options = getattr(self.first, "options", None)
+        return [o for o in (options(committed) if options else []) if self.second(committed, o)]
