@@ -1116,14 +1116,7 @@ class JSONConstraint:
 
     def trim(self, committed: str, candidate: str) -> str:
         """The longest prefix of ``candidate`` that keeps the answer acceptable."""
-        lo, hi = 0, len(candidate)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self(committed, candidate[:mid]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return candidate[:lo]
+        return _longest_accepted_prefix(self, committed, candidate)
 
 
 class PlainTextConstraint:
@@ -1145,14 +1138,19 @@ class PlainTextConstraint:
 
     def trim(self, committed: str, candidate: str) -> str:
         """The longest prefix of ``candidate`` that keeps the answer plain."""
-        lo, hi = 0, len(candidate)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self(committed, candidate[:mid]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return candidate[:lo]
+        return _longest_accepted_prefix(self, committed, candidate)
+
+
+def _longest_accepted_prefix(accepts: Callable[[str, str], bool], committed: str, candidate: str) -> str:
+    """Binary search for the longest prefix of ``candidate`` that ``accepts`` (prefix-closed) keeps."""
+    lo, hi = 0, len(candidate)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if accepts(committed, candidate[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return candidate[:lo]
 
 
 # -- streaming ----------------------------------------------------------------------------------
