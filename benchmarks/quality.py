@@ -18,8 +18,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,21 +111,32 @@ def run(task: str, configs: list[str], limit: int | None, seed: int) -> None:
                     "drafters_per_round": sum(result.members_per_round) / max(len(result.segments), 1),
                     "wins": result.wins,
                     "finish_reason": result.finish_reason,
+                    "trace": [
+                        {
+                            "winner": seg.winner,
+                            "drafters": seg.drafters,
+                            "distinct": len({c.text for c in seg.candidates}),
+                            "combined": [round(x, 4) for x in seg.combined],
+                            "weights": [round(x, 4) for x in seg.weights],
+                        }
+                        for seg in result.segments
+                    ],
                 }
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")
                 fh.flush()
 
 
-def arc_letter(reply: str) -> str | None:
-    """The option letter a reply names ("B", "B.", "The answer is B", "(B) ...")."""
+def arc_letter(reply: str, labels: Sequence[str] = ("A", "B", "C", "D", "E")) -> str | None:
+    """The option label a reply names ("B", "B.", "The answer is B", "(B) ...", "3" for numbered options)."""
+    alts = "|".join(re.escape(label) for label in labels)
     text = reply.strip()
-    m = re.match(r"^\(?([A-E])\b", text)
+    m = re.match(rf"^\(?({alts})\b", text)
     if m:
         return m.group(1)
-    m = re.search(r"answer(?: is|:)?\s*\(?([A-E])\b", text, re.IGNORECASE)
+    m = re.search(rf"answer(?: is|:)?\s*\(?({alts})\b", text, re.IGNORECASE)
     if m:
         return m.group(1).upper()
-    m = re.search(r"\b([A-E])\b", text)
+    m = re.search(rf"\b({alts})\b", text)
     return m.group(1) if m else None
 
 
@@ -141,37 +153,131 @@ def score_ifeval(path: Path) -> dict[str, float] | None:
     return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
 
 
-def report() -> str:
-    arc_rows = {r["id"]: r for r in load_rows("arc", None)}
-    lines = [
-        "| configuration | IFEval n | prompt strict | prompt loose | instr. strict | instr. loose | ARC n | ARC acc. "
-        "| s / prompt (IFEval) | drafters / round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name in CONFIGS:
-        ife = RESULTS / "ifeval" / f"{name}.jsonl"
-        arc = RESULTS / "arc" / f"{name}.jsonl"
-        if not ife.exists() and not arc.exists():
-            continue
-        cells = [name]
-        recs = [json.loads(x) for x in ife.read_text().splitlines()] if ife.exists() else []
-        scores = score_ifeval(ife) if recs else None
-        cells.append(str(len(recs)))
-        for key in ("prompt_level_strict", "prompt_level_loose", "instruction_level_strict", "instruction_level_loose"):
-            cells.append(f"{100 * scores[key]:.1f}" if scores and key in scores else "–")
-        arecs = [json.loads(x) for x in arc.read_text().splitlines()] if arc.exists() else []
-        correct = sum(arc_letter(r["response"]) == arc_rows[r["key"]]["answerKey"] for r in arecs)
-        cells.append(str(len(arecs)))
-        cells.append(f"{100 * correct / len(arecs):.1f}" if arecs else "–")
-        secs = [r["seconds"] for r in recs]
-        cells.append(f"{sum(secs) / len(secs):.1f}" if secs else "–")
-        dpr = [r["drafters_per_round"] for r in recs + arecs]
-        cells.append(f"{sum(dpr) / len(dpr):.2f}" if dpr else "–")
+def records(task: str, name: str) -> list[dict[str, Any]]:
+    path = RESULTS / task / f"{name}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def first_rows(task: str, recs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The records of the first ``n`` prompts in data-set order (configs are compared on the same prompts)."""
+    keys = [prompt_of(task, row)[0] for row in load_rows(task, n)]
+    by_key = {str(r["key"]): r for r in recs}
+    return [by_key[k] for k in keys if k in by_key]
+
+
+def measure(task: str, recs: list[dict[str, Any]]) -> dict[str, float]:
+    """Quality and cost figures of one configuration's records on one task."""
+    out: dict[str, float] = {"n": len(recs)}
+    if not recs:
+        return out
+    if task == "ifeval":
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as fh:
+            fh.writelines(json.dumps({"key": r["key"], "response": r["response"]}) + "\n" for r in recs)
+        scores = score_ifeval(Path(fh.name)) or {}
+        os.unlink(fh.name)
+        out.update({k: 100 * scores[k] for k in IFEVAL_KEYS if k in scores})
+    else:
+        rows = {row["id"]: row for row in load_rows("arc", None)}
+        picks = [(arc_letter(r["response"], rows[r["key"]]["choices"]["label"]), rows[r["key"]]) for r in recs]
+        out["accuracy"] = 100 * sum(pick == row["answerKey"] for pick, row in picks) / len(recs)
+        out["no_letter"] = 100 * sum(pick is None for pick, _ in picks) / len(recs)
+    out["seconds"] = sum(r["seconds"] for r in recs) / len(recs)
+    out["drafters"] = sum(r["drafters_per_round"] for r in recs) / len(recs)
+    wins: dict[str, int] = {}
+    for r in recs:
+        for member, count in r["wins"].items():
+            wins[member] = wins.get(member, 0) + count
+    total = sum(wins.values()) or 1
+    for member, count in wins.items():
+        out[f"wins:{member}"] = 100 * count / total
+    return out
+
+
+IFEVAL_KEYS = ("prompt_level_strict", "prompt_level_loose", "instruction_level_strict", "instruction_level_loose")
+
+
+def _cell(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def table(task: str, figures: dict[str, dict[str, float]]) -> str:
+    if task == "ifeval":
+        head = (
+            "| configuration | n | prompt strict | prompt loose | instr. strict | instr. loose "
+            "| s / prompt | drafters / round | Qwen's share of wins |"
+        )
+        keys: tuple[str, ...] = IFEVAL_KEYS
+    else:
+        head = (
+            "| configuration | n | accuracy | no letter named | s / prompt | drafters / round | Qwen's share of wins |"
+        )
+        keys = ("accuracy", "no_letter")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, f in figures.items():
+        qwen = next((v for k, v in f.items() if k.startswith("wins:qwen")), None)
+        cells = [name, str(int(f["n"]))] + [_cell(f.get(k)) for k in keys]
+        cells += [_cell(f.get("seconds")), _cell(f.get("drafters"), "{:.2f}"), _cell(qwen, "{:.0f}%")]
         lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (RESULTS / "summary.md").parent.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.md").write_text(table + "\n")
-    return table
+    return "\n".join(lines)
+
+
+def report() -> str:
+    """Markdown tables: every configuration on the prompts it shares with the others, and full-set rows."""
+    sections = []
+    figures_for_plot: dict[str, dict[str, dict[str, float]]] = {}
+    for task, title in (
+        ("ifeval", f"IFEval ({TASKS['ifeval']} new tokens)"),
+        ("arc", f"ARC-Easy ({TASKS['arc']} new tokens)"),
+    ):
+        all_recs = {name: records(task, name) for name in CONFIGS}
+        all_recs = {name: recs for name, recs in all_recs.items() if recs}
+        if not all_recs:
+            continue
+        full = len(load_rows(task, None))
+        complete = {name: recs for name, recs in all_recs.items() if len(recs) >= full}
+        if complete:
+            figs = {name: measure(task, recs) for name, recs in complete.items()}
+            sections.append(f"### {title}: all {full} prompts\n\n" + table(task, figs))
+            figures_for_plot[task] = figs
+        shared = min(len(recs) for recs in all_recs.values())
+        if len(complete) < len(all_recs) and shared:
+            figs = {name: measure(task, first_rows(task, recs, shared)) for name, recs in all_recs.items()}
+            sections.append(f"### {title}: first {shared} prompts, every configuration\n\n" + table(task, figs))
+            figures_for_plot.setdefault(task, figs)
+            figures_for_plot[task + "-subset"] = figs
+    text = "\n\n".join(sections)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.md").write_text(text + "\n")
+    (RESULTS / "summary.json").write_text(json.dumps(figures_for_plot, indent=1) + "\n")
+    plot(figures_for_plot)
+    return text
+
+
+def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Bar charts of the headline metric per configuration (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = [(k, v) for k, v in figures.items() if v]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (task, figs) in zip(axes[0], panels, strict=True):
+        metric = "prompt_level_strict" if task.startswith("ifeval") else "accuracy"
+        names = list(figs)
+        values = [figs[n].get(metric, 0.0) for n in names]
+        colors = ["#999999" if n in ("smollm2", "qwen") else "#3b6fb6" for n in names]
+        ax.bar(names, values, color=colors)
+        n = int(next(iter(figs.values()))["n"])
+        ax.set_title(f"{task} (n={n}): {metric.replace('_', ' ')} %", fontsize=9)
+        ax.tick_params(axis="x", rotation=60, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "quality.png", dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:

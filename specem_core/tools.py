@@ -73,9 +73,7 @@ def normalize_tool(tool: object, index: int = 0) -> dict[str, Any]:
         fn = tool
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise InputError(
-            f"tool {index} has an invalid name {name!r}: use 1-64 letters, digits, '_', '.' or '-'"
-        )
+        raise InputError(f"tool {index} has an invalid name {name!r}: use 1-64 letters, digits, '_', '.' or '-'")
     description = fn.get("description") or ""
     if not isinstance(description, str):
         raise InputError(f"tool {name!r}: description must be a string, got {type(description).__name__}")
@@ -1384,8 +1382,10 @@ class OutputPlan:
             text += event.delta
             if event.done and event.result is not None:
                 result = self.finish(event.result)
-                if answer_instead is not None and self.choice.mode == "auto" and repeats_answered_calls(
-                    result.tool_calls, messages
+                if (
+                    answer_instead is not None
+                    and self.choice.mode == "auto"
+                    and repeats_answered_calls(result.tool_calls, messages)
                 ):
                     yield from answer_instead()
                     return

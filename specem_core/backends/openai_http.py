@@ -544,9 +544,61 @@ def align_echo(
     Raises:
         AlignmentError: no hypothesis, or several, fit.
     """
+    generated = echo.text[len(sent) :] if echo.text.startswith(sent) else ""
+    # a text that opens with a multi-byte character (or U+FFFD) may open with '' entries (its bytes)
+    leading_partial = not sent[region_start : region_start + 1].isascii()
+    try:
+        fit = _align(sent, echo, generated, region_start, text_end, eot_text, max_generated, known_shift)
+        return _absorb_partial_entries(fit, echo, leading_partial)
+    except AlignmentError:
+        if "\ufffd" not in sent[:text_end]:
+            raise
+    # vLLM's detokenizer drops U+FFFD characters from echoed tokens and offsets (it takes them for
+    # an unfinished multi-byte character): align on the text without them, then map positions back.
+    kept = [i for i, ch in enumerate(sent) if ch != "\ufffd"]
+    stripped = "".join(sent[i] for i in kept)
+    before = [0] * (len(sent) + 1)  # before[i]: kept characters in sent[:i]
+    for i, ch in enumerate(sent):
+        before[i + 1] = before[i] + (ch != "\ufffd")
+    fit = _align(
+        stripped, echo, generated, before[region_start], before[text_end], eot_text, max_generated, known_shift
+    )
+    fit = _absorb_partial_entries(fit, echo, leading_partial)
+    back = [*kept, len(sent)]  # stripped position -> sent position (after any U+FFFD run there)
+    return replace(fit, starts=[back[x] for x in fit.starts], ends=[back[x] for x in fit.ends])
+
+
+def _absorb_partial_entries(fit: EchoAlignment, echo: EchoLogprobs, leading_partial: bool) -> EchoAlignment:
+    """Give the '' entries of a character split over several tokens the span of the entry that
+    completes it, so the span picks all its tokens (servers like vLLM report the bytes as '' at the
+    character's offset); take in such entries just before the text when the text opens with one."""
+    entries, starts, ends = list(fit.text_entries), list(fit.starts), list(fit.ends)
+    toks, offs = echo.tokens, echo.text_offset
+    while leading_partial and entries and entries[0] > 0:
+        j = entries[0] - 1
+        if toks[j] != "" or offs[j] != offs[entries[0]]:
+            break
+        entries.insert(0, j)
+        starts.insert(0, starts[0])
+        ends.insert(0, starts[0])
+    for k in range(len(entries) - 2, -1, -1):
+        if toks[entries[k]] == "" and starts[k] == ends[k]:
+            starts[k], ends[k] = starts[k + 1], ends[k + 1]
+    return replace(fit, text_entries=entries, starts=starts, ends=ends)
+
+
+def _align(
+    sent: str,
+    echo: EchoLogprobs,
+    generated: str,
+    region_start: int,
+    text_end: int,
+    eot_text: str | None,
+    max_generated: int,
+    known_shift: int | None,
+) -> EchoAlignment:
     offs, toks = echo.text_offset, echo.tokens
     n = len(toks)
-    generated = echo.text[len(sent) :] if echo.text.startswith(sent) else ""
     hypotheses: list[tuple[int, int]] = []  # (last text entry, C)
     for i in range(n - 1, max(-1, n - 4 - max_generated), -1):
         if i + 1 < n:
@@ -563,6 +615,9 @@ def align_echo(
         fit = _walk_back(sent, echo, last, c, region_start, text_end)
         if fit is not None:
             fits[(last, c)] = fit
+    for last, c in list(fits):
+        if toks[last] == "" and (last - 1, c) in fits:
+            del fits[(last, c)]  # a trailing '' adds no text: it is the generated (or end-of-turn) entry
     if known_shift is not None:
         known = [f for (_, c), f in fits.items() if c == known_shift]
         if len(known) == 1:

@@ -69,9 +69,7 @@ def test_create_agent_calls_a_python_tool_and_uses_its_result() -> None:
         return a * b
 
     agent = create_agent(ChatSpecEM(engine=real_engine(), max_tokens=40), tools=[multiply])
-    out = agent.invoke(
-        {"messages": [("user", "What is 6 times 7? Use the multiply tool.")]}, {"recursion_limit": 8}
-    )
+    out = agent.invoke({"messages": [("user", "What is 6 times 7? Use the multiply tool.")]}, {"recursion_limit": 8})
     assert calls
     assert calls[0] in ((6, 7), (7, 6))
     final = out["messages"][-1]

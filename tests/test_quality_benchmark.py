@@ -1,0 +1,91 @@
+"""benchmarks/quality.py end to end on tiny random members: run (resumable JSONL), score, report, plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = ROOT.parent / "shared" / "eval"
+
+
+def load_quality(monkeypatch: pytest.MonkeyPatch, eval_dir: Path, results: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("quality_under_test", ROOT / "benchmarks" / "quality.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality_under_test"] = module
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "EVAL_DIR", eval_dir)
+    monkeypatch.setattr(module, "RESULTS", results)
+    monkeypatch.setattr(module, "TASKS", {"ifeval": 6, "arc": 4})
+    return module
+
+
+@pytest.fixture
+def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    if not (EVAL / "ifeval_score.py").is_file():
+        pytest.skip("../shared/eval is not beside this checkout")
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    shutil.copy(EVAL / "ifeval_score.py", eval_dir)
+    for name in ("ifeval_dev.jsonl", "arc_easy_dev.jsonl"):
+        rows = (EVAL / name).read_text().splitlines()[:3]
+        (eval_dir / name).write_text("\n".join(rows) + "\n")
+    module = load_quality(monkeypatch, eval_dir, tmp_path / "results")
+
+    import tiny
+
+    from specem_core import SpecEM, SpecEMConfig
+
+    def build_engine(name: str) -> Any:
+        members = {"smollm2": [tiny.member("llama", name="smol")], "qwen": [tiny.member("qwen2", name="qwen")]}
+        chosen = members.get(name, [tiny.member("llama", name="smol"), tiny.member("qwen2", name="qwen")])
+        return SpecEM(chosen, SpecEMConfig(**module.CONFIGS[name]["config"]))
+
+    monkeypatch.setattr(module, "build_engine", build_engine)
+    return module
+
+
+def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) -> None:
+    quality.run("ifeval", ["smollm2", "default"], limit=None, seed=0)
+    quality.run("ifeval", ["seg5"], limit=2, seed=0)
+    path = quality.RESULTS / "ifeval" / "default.jsonl"
+    first = path.read_text()
+    quality.run("ifeval", ["default"], limit=None, seed=0)  # nothing left to do: nothing appended
+    assert path.read_text() == first
+    recs = [json.loads(line) for line in first.splitlines()]
+    assert len(recs) == 3
+    assert {"key", "response", "seconds", "rounds", "drafters_per_round", "wins", "trace"} <= set(recs[0])
+    assert recs[0]["trace"][0]["winner"] in ("smol", "qwen")
+
+    quality.run("arc", ["qwen"], limit=None, seed=0)
+    text = quality.report()
+    assert "IFEval (6 new tokens): all 3 prompts" in text
+    assert "first 2 prompts, every configuration" in text  # seg5 ran on 2: all compared on those 2
+    assert "| seg5 | 2 |" in text
+    assert "ARC-Easy (4 new tokens): all 3 prompts" in text
+    assert (quality.RESULTS / "summary.md").read_text().strip() == text.strip()
+    assert (quality.RESULTS / "quality.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("reply", "labels", "expected"),
+    [
+        ("B", "ABCD", "B"),
+        ("B. Which organisms consume algae?", "ABCD", "B"),
+        ("The answer is C.", "ABCD", "C"),
+        ("(D) the moon", "ABCD", "D"),
+        ("3", "1234", "3"),
+        ("Answer: 2", "1234", "2"),
+        ("To determine which factor matters, consider", "ABCD", None),
+    ],
+)
+def test_arc_letter(quality: Any, reply: str, labels: str, expected: str | None) -> None:
+    assert quality.arc_letter(reply, list(labels)) == expected
