@@ -2,7 +2,11 @@
 
     python benchmarks/quality.py run ifeval --configs smollm2 qwen default --limit 120
     python benchmarks/quality.py run arc --configs all --limit 200
-    python benchmarks/quality.py report          # Markdown table (+ plot when matplotlib is there)
+    python benchmarks/quality.py report          # Markdown tables (+ plot when matplotlib is there)
+    python benchmarks/quality.py analyze --against qwen   # per-prompt gains/losses, ties, vote margins
+
+Configurations run on different numbers of prompts are compared on the prompts they share (the
+first n of each data set, in its order); complete runs also get a full-set table.
 
 Runs are resumable: every response is appended to ``benchmarks/results/quality/<task>/<config>.jsonl``
 as soon as it is produced, and a rerun skips the prompts already answered. IFEval is scored with
@@ -41,6 +45,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "seg20": {"members": ["smollm2", "qwen2.5-coder"], "config": {"segment_len": 20}},
     "exit": {"members": ["smollm2", "qwen2.5-coder"], "config": {"model_exit": True}},
     "3-members": {"members": ["smollm2", "qwen2.5-coder"], "verifiers": ["gemma3"], "config": {}},
+    "healing": {"members": ["smollm2", "qwen2.5-coder"], "config": {"token_healing": True}},
+    # diagnosis: both draft, only Qwen votes (is the weaker member's vote what costs quality?)
+    "qwen-votes": {"members": ["qwen2.5-coder"], "draft_only": ["smollm2"], "config": {}},
 }
 TASKS = {"ifeval": 64, "arc": 12}
 """Task -> max_new_tokens (IFEval: one configuration over 120 prompts stays under 30 minutes)."""
@@ -75,6 +82,7 @@ def build_engine(name: str) -> Any:
     spec = CONFIGS[name]
     members = [load_member(m) for m in spec["members"]]
     members += [load_member(v, can_draft=False) for v in spec.get("verifiers", [])]
+    members += [load_member(d, can_verify=False) for d in spec.get("draft_only", [])]
     return SpecEM(members, SpecEMConfig(**spec["config"]))
 
 
@@ -280,6 +288,69 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
     plt.close(fig)
 
 
+def ifeval_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
+    """Prompt-level strict pass/fail per key (the scorer's ``--details``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        responses, details = Path(tmp) / "r.jsonl", Path(tmp) / "d.jsonl"
+        responses.write_text("".join(json.dumps({"key": r["key"], "response": r["response"]}) + "\n" for r in recs))
+        subprocess.run(
+            [sys.executable, str(EVAL_DIR / "ifeval_score.py"), str(responses), "--input",
+             str(EVAL_DIR / "ifeval_dev.jsonl"), "--subset", "--details", str(details)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return {str(d["key"]): bool(d["all_strict"]) for d in map(json.loads, details.read_text().splitlines())}
+
+
+def analyze(against: str) -> str:
+    """Why a configuration wins or loses against one member: per-prompt gains and losses, how
+    often the candidates were all the same (nothing to choose), how close the votes were, and who won."""
+    lines = [
+        f"| task | configuration | n | gains vs {against} | losses vs {against} | same answer as {against} "
+        "| rounds with one distinct candidate | median vote margin | Qwen's share of wins |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task in ("ifeval", "arc"):
+        base = {str(r["key"]): r for r in records(task, against)}
+        if not base:
+            continue
+        arc_rows = {row["id"]: row for row in load_rows("arc", None)}
+        for name in CONFIGS:
+            recs = [r for r in records(task, name) if str(r["key"]) in base]
+            if name == against or not recs or CONFIGS[name] == CONFIGS[against]:
+                continue
+            if task == "ifeval":
+                ours, theirs = ifeval_passes(recs), ifeval_passes([base[str(r["key"])] for r in recs])
+            else:
+                ours, theirs = ({str(r["key"]): arc_letter(r["response"], arc_rows[r["key"]]["choices"]["label"])
+                                 == arc_rows[r["key"]]["answerKey"] for r in rs}
+                                for rs in (recs, [base[str(r["key"])] for r in recs]))  # fmt: skip
+            gains = sum(ours[k] and not theirs[k] for k in ours)
+            losses = sum(theirs[k] and not ours[k] for k in ours)
+            same = sum(r["response"].strip() == base[str(r["key"])]["response"].strip() for r in recs)
+            rounds = [t for r in recs for t in r.get("trace", [])]
+            one = sum(t["distinct"] == 1 for t in rounds)
+            margins = sorted(
+                sorted(t["combined"], reverse=True)[0] - sorted(t["combined"], reverse=True)[1]
+                for t in rounds
+                if t["distinct"] > 1 and len(t["combined"]) > 1
+            )
+            wins: dict[str, int] = {}
+            for r in recs:
+                for member, count in r["wins"].items():
+                    wins[member] = wins.get(member, 0) + count
+            qwen = 100 * sum(v for k, v in wins.items() if k.startswith("qwen")) / max(sum(wins.values()), 1)
+            cells = [
+                task, name, str(len(recs)), str(gains), str(losses), f"{100 * same / len(recs):.0f}%",
+                f"{100 * one / len(rounds):.0f}%" if rounds else "–",
+                f"{margins[len(margins) // 2]:.3f}" if margins else "–",
+                f"{qwen:.0f}%",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    (RESULTS / "analysis.md").write_text(text + "\n")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -289,6 +360,8 @@ def main() -> None:
     r.add_argument("--limit", type=int, default=None)
     r.add_argument("--seed", type=int, default=0)
     sub.add_parser("report")
+    a = sub.add_parser("analyze", help="per-prompt gains/losses against one member, ties, vote margins")
+    a.add_argument("--against", default="qwen", choices=sorted(CONFIGS))
     args = parser.parse_args()
     if args.command == "run":
         names = list(CONFIGS) if args.configs == ["all"] else args.configs
@@ -296,6 +369,8 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown configuration(s): {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
         run(args.task, names, args.limit, args.seed)
+    elif args.command == "analyze":
+        print(analyze(args.against))
     else:
         print(report())
 

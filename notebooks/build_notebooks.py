@@ -144,6 +144,11 @@ BENCHMARKS = [
         "from IPython.display import Markdown\n"
         "Markdown(summary.read_text()) if summary.exists() else print('no quality results yet')"
     ),
+    new_code_cell(
+        "from IPython.display import Image\n\n"
+        "plot = root / 'benchmarks' / 'results' / 'quality' / 'quality.png'\n"
+        "Image(filename=str(plot), width=900) if plot.exists() else print('no quality plot yet')"
+    ),
 ]
 
 

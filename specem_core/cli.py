@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
     chat.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
     chat.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    chat.add_argument(
+        "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
+    )
     chat.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     chat.add_argument("--json", action="store_true", help="print the full result with the per-round trace as JSON")
 
@@ -77,6 +80,8 @@ def _config(args: argparse.Namespace) -> SpecEMConfig:
         overrides["model_exit"] = True
     if args.faithful:
         overrides["faithful"] = True
+    if args.token_healing:
+        overrides["token_healing"] = True
     return SpecEMConfig().replace(**overrides)
 
 

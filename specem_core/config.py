@@ -22,6 +22,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "hedge_decay": "inverse",
     "eos_voting": False,
     "model_exit": False,
+    "token_healing": False,
 }
 
 
@@ -32,7 +33,7 @@ class SpecEMConfig:
     Per-request overrides go through :meth:`replace` (``engine.generate(msgs, max_new_tokens=64)``),
     which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
     ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
-    ``hedge_decay="inverse"``, ``eos_voting=False`` and ``model_exit=False``. Each production
+    ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False`` and ``token_healing=False``. Each production
     default that differs from the authors' code is one of those named options.
 
     Example:
@@ -58,6 +59,10 @@ class SpecEMConfig:
     """Stop strings; the response ends before the first one and never contains it."""
     ignore_eos: bool = False
     """Never end a turn before ``max_new_tokens`` (vLLM's field of that name; for benchmarks)."""
+    token_healing: bool = False
+    """Drafters back up over the last committed token and redraw it among the tokens that extend
+    its text, so a segment boundary that splits a usual token (``"youtube." | "com"``) does not push
+    the model off its own tokenization (local members with byte-level tokenizers)."""
     scoring: Scoring = "mean_logit"
     """``mean_logit``: mean raw pre-softmax logit (paper, faithful); ``mean_logprob``: mean log-prob."""
     normalization: Normalization = "sum"

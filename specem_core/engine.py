@@ -374,6 +374,7 @@ class _Run:
             top_k=config.top_k,
             repetition_penalty=config.repetition_penalty,
             ignore_eos=config.ignore_eos,
+            token_healing=config.token_healing,
         )
 
     # -- failure handling -------------------------------------------------------------------

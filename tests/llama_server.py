@@ -124,20 +124,25 @@ def start_server(
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log_file.close()
     server = LlamaServer(process, port, alias, api_key, Path(log_name))
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + startup_timeout
+    return _wait_until_ready(server, "llama_cpp.server", startup_timeout, poll=0.3)
+
+
+def _wait_until_ready(server: LlamaServer, what: str, timeout: float, *, poll: float) -> LlamaServer:
+    """Return ``server`` once ``/v1/models`` answers; stop it and raise with its log tail otherwise."""
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if server.process.poll() is not None:
             tail = server.log_tail()
             server.stop()
-            raise RuntimeError(f"llama_cpp.server exited with {process.returncode}:\n{tail}")
+            raise RuntimeError(f"{what} exited with {server.process.returncode}:\n{tail}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{server.base_url}/models", headers=headers, timeout=2.0).status_code == 200:
                 return server
-        time.sleep(0.3)
+        time.sleep(poll)
     tail = server.log_tail()
     server.stop()
-    raise RuntimeError(f"llama_cpp.server did not start within {startup_timeout:.0f}s:\n{tail}")
+    raise RuntimeError(f"{what} did not start within {timeout:.0f}s:\n{tail}")
 
 
 @contextlib.contextmanager
@@ -220,16 +225,4 @@ def start_vllm_server(
     )
     log_file.close()
     server = VLLMServer(process, port, alias, None, Path(log_name))
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = server.log_tail()
-            server.stop()
-            raise RuntimeError(f"vLLM server exited with {process.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.base_url}/models", timeout=2.0).status_code == 200:
-                return server
-        time.sleep(1.0)
-    tail = server.log_tail()
-    server.stop()
-    raise RuntimeError(f"vLLM server did not start within {startup_timeout:.0f}s:\n{tail}")
+    return _wait_until_ready(server, "vLLM server", startup_timeout, poll=1.0)

@@ -96,3 +96,12 @@ def test_end_to_end_on_the_real_default_models(default_members: list[object]) ->
     assert data["members"] == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
     assert data["text"]
     assert data["config"]["faithful"] is True
+
+
+def test_switches_map_to_config_fields() -> None:
+    from specem_core.cli import _config, _parser
+
+    args = _parser().parse_args(["chat", "hi", "--token-healing", "--model-exit", "--no-hedge", "--segment-len", "5"])
+    config = _config(args)
+    assert (config.token_healing, config.model_exit, config.hedge, config.segment_len) == (True, True, False, 5)
+    assert _config(_parser().parse_args(["chat", "hi"])).token_healing is False

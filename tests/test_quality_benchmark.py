@@ -74,6 +74,13 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert (quality.RESULTS / "summary.md").read_text().strip() == text.strip()
     assert (quality.RESULTS / "quality.png").stat().st_size > 1000
 
+    quality.run("arc", ["default"], limit=None, seed=0)
+    analysis = quality.analyze("qwen")
+    row = next(line for line in analysis.splitlines() if line.startswith("| arc | default |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "3"  # n: the prompts both answered
+    assert int(cells[3]) + int(cells[4]) <= 3
+
 
 @pytest.mark.parametrize(
     ("reply", "labels", "expected"),

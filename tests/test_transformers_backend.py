@@ -155,3 +155,57 @@ def test_plain_format_for_models_without_a_template() -> None:
     prompt = m.chat.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert prompt == "### System:\nBe brief.\n\n### User:\nHi\n\n### Assistant:\n"
     assert "\n### User:" in m.chat.turn_stop_strings
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_healing_redraws_the_last_committed_token(members: dict[str, Any], kind: str) -> None:
+    """With ``token_healing`` the draft starts by redrawing the committed text's last token among
+    the tokens that extend its text (greedy: the best of those), and the session is left exactly
+    at the committed prefix afterwards."""
+    import torch
+
+    m = members[kind]
+    assert m.token_texts_concatenate()
+    # a committed text whose last token has longer relatives in this tiny vocabulary
+    committed = next(
+        t
+        for t in ("hel", "hello w", "Paris, B", "he")
+        if len(m.tokens_extending(m.token_text(m.encode_response(t)[-1]))) > 1
+    )
+    session = m.open(REQ)
+    prompt = m.encode_prompt(REQ)
+    session.commit(committed)
+    ids = prompt + session._resp_ids
+    tail = m.token_text(ids[-1])
+    allowed = m.tokens_extending(tail)
+    assert all(m.token_text(t).startswith(tail) for t in allowed)
+    with torch.inference_mode():
+        before_last = m.model(input_ids=torch.tensor([ids[:-1]])).logits[0, -1]
+    best = allowed[int(torch.argmax(before_last[allowed]))]
+
+    healed = session.draft(6, SamplingParams(token_healing=True))
+    assert (tail + healed.text).startswith(m.token_text(best))  # the redrawn token leads the draft
+    assert session._cache_len() == len(ids)
+    with torch.inference_mode():
+        fresh = m.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(session._next_logits, fresh, atol=1e-4)
+
+    cands = [Candidate("self", healed.text, healed.ended), Candidate("o", "orld", False)]
+    got = session.score(cands, score_eos=True)
+    want = naive_scores(m, prompt, session._text, [(c.text, c.ended) for c in cands], True)
+    for g, (logit, logprob) in zip(got, want, strict=True):
+        assert g.mean_logit == pytest.approx(logit, abs=1e-4)
+        assert g.mean_logprob == pytest.approx(logprob, abs=1e-4)
+    if healed.text and not healed.ended:
+        session.commit(healed.text)
+        assert session._text == committed + healed.text
+        plain = session.draft(5, SamplingParams())
+        assert (plain.text, plain.ended) == naive_draft(m, prompt, session._text, 5)
+
+
+def test_token_healing_in_the_engine(tiny_members: list[Any]) -> None:
+    healed = SpecEM(tiny_members, SpecEMConfig(segment_len=4, max_new_tokens=16, token_healing=True))
+    result = healed.generate([{"role": "user", "content": "Say hello."}])
+    assert result.excluded == []
+    assert result.text == "".join(seg.text for seg in result.segments)
+    assert SpecEMConfig(faithful=True, token_healing=True).token_healing is False

@@ -27,6 +27,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     """Never pick an end-of-turn token."""
+    token_healing: bool = False
+    """Redraw the last committed token among those extending its text (see ``SpecEMConfig``)."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +181,38 @@ class TransformersMember:
         """Canonical ids of the response text (it follows the prompt, so no special tokens)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
+    def token_text(self, token: int) -> str:
+        """The text one token stands for, as a byte-level tokenizer decodes it alone."""
+        texts = self._token_texts()
+        return texts[token] if 0 <= token < len(texts) else ""
+
+    def tokens_extending(self, prefix: str) -> list[int]:
+        """Ids of the (non-special) tokens whose text starts with ``prefix`` (cached per prefix)."""
+        cache = self.__dict__.setdefault("_extending_cache", {})
+        if prefix not in cache:
+            special = set(self.stop_ids) | set(self.suppress_ids) | _special_ids(self.tokenizer)
+            cache[prefix] = [i for i, t in enumerate(self._token_texts()) if t.startswith(prefix) and i not in special]
+            if len(cache) > 4096:
+                cache.pop(next(iter(cache)))
+        return list(cache[prefix])
+
+    def token_texts_concatenate(self) -> bool:
+        """True when decoding tokens one by one and joining gives the decoded text (byte-level BPE,
+        as SmolLM2 and Qwen); SentencePiece tokenizers that drop a leading space are not healed."""
+        if "_concatenates" not in self.__dict__:
+            probe = "Hello world. It's 2024, e.g. www.example.com!"
+            ids = list(self.tokenizer.encode(probe, add_special_tokens=False))
+            joined = "".join(self.token_text(i) for i in ids)
+            self.__dict__["_concatenates"] = bool(ids) and joined == self.tokenizer.decode(ids) == probe
+        return bool(self.__dict__["_concatenates"])
+
+    def _token_texts(self) -> list[str]:
+        if "_texts" not in self.__dict__:
+            vocab = len(self.tokenizer)
+            self.__dict__["_texts"] = [self.tokenizer.decode([i]) for i in range(vocab)]
+        texts: list[str] = self.__dict__["_texts"]
+        return texts
+
     def _find_end_of_turn(self) -> int:
         after = self.chat.end_of_turn_text()
         special = _special_ids(self.tokenizer)
@@ -281,16 +313,28 @@ class TransformersSession(MemberSession):
 
     def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
         """Continue from the cached committed prefix by up to ``max_tokens`` tokens."""
-        torch = self._torch
         self._to_committed()
+        if sampling.token_healing:
+            healed = self._draft_healed(max_tokens, sampling)
+            if healed is not None:
+                return healed
+        return self._draft_from(self._next_logits, [], max_tokens, sampling)
+
+    def _draft_from(self, logits: Any, allowed_first: list[int], max_tokens: int, sampling: SamplingParams) -> Draft:
+        """The drafting loop from ``logits`` (the first pick limited to ``allowed_first`` when given)."""
+        torch = self._torch
         history = set(self._prompt_ids) | set(self._resp_ids)
         ids: list[int] = []
         scores: list[tuple[float, float]] = []
         eos_score: tuple[float, float] | None = None
-        logits = self._next_logits
         with torch.inference_mode():
             while True:
-                token = self._pick(logits, sampling, history)
+                if allowed_first and not ids:
+                    mask = torch.full_like(logits, float("-inf"))
+                    mask[allowed_first] = 0.0
+                    token = self._pick(logits + mask, sampling, history)
+                else:
+                    token = self._pick(logits, sampling, history)
                 score = (float(logits[token]), float(torch.log_softmax(logits, dim=-1)[token]))
                 if token in self._m.stop_ids:
                     eos_score = score
@@ -319,6 +363,41 @@ class TransformersSession(MemberSession):
         fed = min(fed, len(ids))
         self._draft = _DraftState(ids, scores, eos_score, ended, text, fed, canonical)
         return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0))
+
+    def _draft_healed(self, max_tokens: int, sampling: SamplingParams) -> Draft | None:
+        """Token healing: drop the last committed token and redraw it among the tokens whose text
+        extends its text; the draft is what comes after the committed text. None when not applicable
+        (nothing committed, a tokenizer whose single tokens do not decode to their text, no choice)."""
+        if not self._resp_ids or not self._m.token_texts_concatenate():
+            return None
+        last = self._resp_ids[-1]
+        tail = self._m.token_text(last)
+        if not tail or not self._text.endswith(tail):
+            return None
+        allowed = self._m.tokens_extending(tail)
+        if len(allowed) <= 1:
+            return None  # only the token itself: nothing to heal
+        n = self._committed_len()
+        committed = self._prompt_ids + self._resp_ids
+        saved_resp, saved_text = self._resp_ids, self._text
+        self._set_length(n - 2)
+        logits = self._feed([committed[n - 2]])  # next-token logits before the last committed token
+        self._resp_ids, self._text = saved_resp[:-1], saved_text[: len(saved_text) - len(tail)]
+        try:
+            draft = self._draft_from(logits, allowed, max_tokens + 1, sampling)
+        finally:
+            self._resp_ids, self._text = saved_resp, saved_text
+            self._set_length(n - 1)  # back to the committed prefix: the healed draft's KV is not reused
+            self._next_logits = self._feed([committed[n - 1]])
+        assert self._draft is not None
+        if not draft.text.startswith(tail):
+            self._draft = None
+            return self._draft_from(self._next_logits, [], max_tokens, sampling)
+        text = draft.text[len(tail) :]
+        # the winner is re-encoded (canonically) by every member at commit; this draft's own scores
+        # cover the redrawn token too, so it is scored like any other member's candidate
+        self._draft = replace(self._draft, text=text, canonical=False)
+        return Draft(text=text, ended=draft.ended, tokens=draft.tokens)
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         """Mean raw logit and mean log-prob of each candidate's tokens (see the module docstring)."""
