@@ -301,6 +301,17 @@ def ifeval_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
         return {str(d["key"]): bool(d["all_strict"]) for d in map(json.loads, details.read_text().splitlines())}
 
 
+def passes(task: str, recs: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per key: IFEval prompt-level strict pass, or ARC answer correct."""
+    if task == "ifeval":
+        return ifeval_passes(recs)
+    rows = {row["id"]: row for row in load_rows("arc", None)}
+    return {
+        str(r["key"]): arc_letter(r["response"], rows[r["key"]]["choices"]["label"]) == rows[r["key"]]["answerKey"]
+        for r in recs
+    }
+
+
 def analyze(against: str) -> str:
     """Why a configuration wins or loses against one member: per-prompt gains and losses, how
     often the candidates were all the same (nothing to choose), how close the votes were, and who won."""
@@ -313,17 +324,12 @@ def analyze(against: str) -> str:
         base = {str(r["key"]): r for r in records(task, against)}
         if not base:
             continue
-        arc_rows = {row["id"]: row for row in load_rows("arc", None)}
+        theirs = passes(task, list(base.values()))  # scored once per task, not once per configuration
         for name in CONFIGS:
             recs = [r for r in records(task, name) if str(r["key"]) in base]
             if name == against or not recs or CONFIGS[name] == CONFIGS[against]:
                 continue
-            if task == "ifeval":
-                ours, theirs = ifeval_passes(recs), ifeval_passes([base[str(r["key"])] for r in recs])
-            else:
-                ours, theirs = ({str(r["key"]): arc_letter(r["response"], arc_rows[r["key"]]["choices"]["label"])
-                                 == arc_rows[r["key"]]["answerKey"] for r in rs}
-                                for rs in (recs, [base[str(r["key"])] for r in recs]))  # fmt: skip
+            ours = passes(task, recs)
             gains = sum(ours[k] and not theirs[k] for k in ours)
             losses = sum(theirs[k] and not ours[k] for k in ours)
             same = sum(r["response"].strip() == base[str(r["key"])]["response"].strip() for r in recs)

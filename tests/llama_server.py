@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -226,3 +227,22 @@ def start_vllm_server(
     log_file.close()
     server = VLLMServer(process, port, alias, None, Path(log_name))
     return _wait_until_ready(server, "vLLM server", startup_timeout, poll=1.0)
+
+
+def scores_beside_transformers(member: Any, messages: list[dict[str, str]], model: str = "smollm2") -> list[Any]:
+    """(remote, local) score rows of two fixed candidates after two committed prefixes, from an
+    HTTP ``member`` and the transformers member on the same packaged weights."""
+    from specem_core.backends.base import SessionRequest
+    from specem_core.models import load_member
+    from specem_core.types import Candidate
+
+    local = load_member(model, device="cpu")
+    request = SessionRequest(messages)
+    cands = [Candidate("a", " The capital of France is Paris.", True), Candidate("b", " Berlin, of course.", False)]
+    remote_session, local_session = member.open(request), local.open(request)
+    rows = []
+    for committed in ("", "Well,"):
+        remote_session.commit(committed)
+        local_session.commit(committed)
+        rows.append((remote_session.score(cands, score_eos=True), local_session.score(cands, score_eos=True)))
+    return rows

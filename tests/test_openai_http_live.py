@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from llama_server import LlamaServer, llama_cpp_available, start_server
+from llama_server import LlamaServer, llama_cpp_available, scores_beside_transformers, start_server
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
@@ -106,18 +106,7 @@ def test_shifted_server_is_corrected(plain: OpenAIHTTPMember) -> None:
 def test_http_scores_match_transformers_on_the_same_weights(templated: OpenAIHTTPMember) -> None:
     """The converted cache holds the dequantized Q4_1 weights the server runs: same numbers up to
     llama.cpp's activation quantization. A one-position shift would be off by nats, not hundredths."""
-    from specem_core.models import load_member
-
-    local = load_member("smollm2", device="cpu")
-    request = SessionRequest(QUESTION)
-    cands = [Candidate("a", " The capital of France is Paris.", True), Candidate("b", " Berlin, of course.", False)]
-    remote_session = templated.open(request)
-    local_session = local.open(request)
-    for committed in ("", "Well,"):
-        remote_session.commit(committed)
-        local_session.commit(committed)
-        remote = remote_session.score(cands, score_eos=True)
-        ref = local_session.score(cands, score_eos=True)
+    for remote, ref in scores_beside_transformers(templated, QUESTION):
         for r, lref in zip(remote, ref, strict=True):
             assert r.n_tokens == lref.n_tokens
             assert r.mean_logprob == pytest.approx(lref.mean_logprob, abs=0.15)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from llama_server import LlamaServer, start_vllm_server, vllm_python
+from llama_server import LlamaServer, scores_beside_transformers, start_vllm_server, vllm_python
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.openai_http import OpenAIHTTPMember
-from specem_core.types import Candidate
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,17 +69,7 @@ def test_probe_recognises_vllm(templated: OpenAIHTTPMember, chat_only: OpenAIHTT
 def test_scores_match_transformers_on_the_same_weights(templated: OpenAIHTTPMember) -> None:
     """vLLM runs the converted weights in bfloat16: same numbers up to rounding; a shifted or
     mis-located span would be off by nats."""
-    from specem_core.models import load_member
-
-    local = load_member("smollm2", device="cpu")
-    request = SessionRequest(QUESTION)
-    cands = [Candidate("a", " The capital of France is Paris.", True), Candidate("b", " Berlin, of course.", False)]
-    remote_session, local_session = templated.open(request), local.open(request)
-    for committed in ("", "Well,"):
-        remote_session.commit(committed)
-        local_session.commit(committed)
-        remote = remote_session.score(cands, score_eos=True)
-        ref = local_session.score(cands, score_eos=True)
+    for remote, ref in scores_beside_transformers(templated, QUESTION):
         for r, lref in zip(remote, ref, strict=True):
             assert r.n_tokens == lref.n_tokens
             assert r.mean_logprob == pytest.approx(lref.mean_logprob, abs=0.15)
