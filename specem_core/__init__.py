@@ -35,8 +35,8 @@ from specem_core.types import (
 )
 
 if TYPE_CHECKING:
-    from specem_core.backends.judge import APIJudgeMember
-    from specem_core.backends.openai_http import OpenAIHTTPMember
+    from specem_core.backends.http.judge import APIJudgeMember
+    from specem_core.backends.http.member import OpenAIHTTPMember
     from specem_core.backends.transformers import TransformersMember
 
 __version__ = "0.1.0"
@@ -83,15 +83,15 @@ def __getattr__(name: str) -> Any:
 
         return TransformersMember
     if name == "OpenAIHTTPMember":  # httpx only; kept lazy so that `import specem_core` stays light
-        from specem_core.backends.openai_http import OpenAIHTTPMember
+        from specem_core.backends.http.member import OpenAIHTTPMember
 
         return OpenAIHTTPMember
     if name == "APIJudgeMember":
-        from specem_core.backends.judge import APIJudgeMember
+        from specem_core.backends.http.judge import APIJudgeMember
 
         return APIJudgeMember
     if name in ("load_member", "default_engine"):
-        from specem_core import models
+        from specem_core import registry
 
-        return getattr(models, name)
+        return getattr(registry, name)
     raise AttributeError(f"module 'specem_core' has no attribute {name!r}")

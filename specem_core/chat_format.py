@@ -157,3 +157,47 @@ class ChatFormat:
             return None
         idx = str(text).rfind(marker)
         return str(text)[idx + len(marker) :] if idx >= 0 else None
+
+
+class JinjaChatTemplate:
+    """Renders a Jinja chat template without a Hugging Face tokenizer (GGUF templates, servers).
+
+    It offers the one method :class:`ChatFormat` calls, ``apply_chat_template``, with the variables
+    HF templates expect (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+    ``tools``, ``raise_exception``, ``tojson``).
+    """
+
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
+        self.chat_template = template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        chat_template: str | None = None,
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        import jinja2
+        import jinja2.sandbox
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(chat_template or self.chat_template)
+        return str(
+            template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **kwargs,
+            )
+        )

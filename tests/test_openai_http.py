@@ -634,6 +634,17 @@ def test_member_specs() -> None:
         member_from_spec("judge:https://api.example.com/v1#m", api_key_env="NO_SUCH_KEY_VAR")
 
 
+def test_old_module_paths_re_export_the_http_package() -> None:
+    from specem_core.backends import http, judge, openai_http
+
+    for name in openai_http.__all__:
+        assert getattr(openai_http, name) is getattr(http, name, None) or name == "log", name
+    for name in judge.__all__:
+        assert getattr(judge, name) is getattr(http, name), name
+    assert openai_http.OpenAIHTTPMember is http.member.OpenAIHTTPMember
+    assert judge.APIJudgeMember is http.judge.APIJudgeMember
+
+
 def test_local_tokenizer_gives_template_exact_counts_and_ignore_eos_bias() -> None:
     import tiny
 

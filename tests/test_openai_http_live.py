@@ -18,6 +18,7 @@ from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.judge import APIJudgeMember, JudgeOptions
 from specem_core.backends.openai_http import HTTPMemberError, OpenAIHTTPMember, RetryPolicy
+from specem_core.registry import resolve_tokenizer
 from specem_core.types import Candidate
 
 pytestmark = [
@@ -43,7 +44,9 @@ def server() -> Iterator[LlamaServer]:
 @pytest.fixture(scope="module")
 def templated(server: LlamaServer) -> OpenAIHTTPMember:
     """Chat template from the converted SmolLM2 cache: prompts start with BOS (<|im_start|>)."""
-    member = OpenAIHTTPMember(server.base_url, name="smol-http", tokenizer="smollm2", context_window=2048)
+    member = OpenAIHTTPMember(
+        server.base_url, name="smol-http", tokenizer=resolve_tokenizer("smollm2"), context_window=2048
+    )
     member.probe()
     return member
 
@@ -152,7 +155,7 @@ def test_api_key_is_required_sent_and_never_shown(caplog: pytest.LogCaptureFixtu
                 srv.base_url,
                 name="right",
                 api_key=KEY,
-                tokenizer="smollm2",
+                tokenizer=resolve_tokenizer("smollm2"),
                 capabilities=None,
                 verify_mode="logprobs",
             )

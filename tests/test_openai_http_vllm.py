@@ -17,6 +17,7 @@ from llama_server import LlamaServer, scores_beside_transformers, start_vllm_ser
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.openai_http import OpenAIHTTPMember
+from specem_core.registry import resolve_tokenizer
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,7 +41,9 @@ def server() -> Iterator[LlamaServer]:
 
 @pytest.fixture(scope="module")
 def templated(server: LlamaServer) -> OpenAIHTTPMember:
-    member = OpenAIHTTPMember(server.base_url, name="smol-vllm", tokenizer="smollm2", context_window=2048)
+    member = OpenAIHTTPMember(
+        server.base_url, name="smol-vllm", tokenizer=resolve_tokenizer("smollm2"), context_window=2048
+    )
     member.probe()
     return member
 

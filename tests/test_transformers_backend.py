@@ -209,3 +209,33 @@ def test_token_healing_in_the_engine(tiny_members: list[Any]) -> None:
     assert result.excluded == []
     assert result.text == "".join(seg.text for seg in result.segments)
     assert SpecEMConfig(faithful=True, token_healing=True).token_healing is False
+
+
+def test_open_is_cheap_and_the_prompt_is_prefilled_on_first_use() -> None:
+    """Opening renders, encodes and checks the window only; the first draft, score or commit
+    prefills once, and whichever comes first the results equal a fresh computation."""
+    m = tiny.member("llama")
+    calls: list[int] = []
+    hook = m.model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(1), with_kwargs=True)
+    prompt = m.encode_prompt(REQ)
+    try:
+        by_draft, by_score, by_commit, by_final = (m.open(REQ) for _ in range(4))
+        assert calls == []
+        assert by_draft.prompt_tokens == len(prompt)
+        d = by_draft.draft(5, SamplingParams())
+        assert (d.text, d.ended) == naive_draft(m, prompt, "", 5)
+        cands = [Candidate("x", " hello wor", False), Candidate("y", "ld 中文", True)]
+        got = by_score.score(cands, score_eos=True)
+        want = naive_scores(m, prompt, "", [(c.text, c.ended) for c in cands], True)
+        for g, (logit, logprob) in zip(got, want, strict=True):
+            assert g.mean_logit == pytest.approx(logit, abs=1e-4)
+            assert g.mean_logprob == pytest.approx(logprob, abs=1e-4)
+        by_commit.commit("hel")
+        d = by_commit.draft(4, SamplingParams())
+        assert (d.text, d.ended) == naive_draft(m, prompt, "hel", 4)
+        n = len(calls)
+        by_final.commit("The end.", final=True)  # accounting only: still no model work
+        assert len(calls) == n
+        assert by_final.completion_tokens == len(m.encode_response("The end."))
+    finally:
+        hook.remove()

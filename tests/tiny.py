@@ -104,7 +104,7 @@ def tiny_llama(seed: int = 0) -> tuple[Any, Any]:
     return LlamaForCausalLM(cfg).eval(), tok
 
 
-def tiny_qwen2(seed: int = 1) -> tuple[Any, Any]:
+def tiny_qwen2(seed: int = 1, max_position_embeddings: int = 512) -> tuple[Any, Any]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = turns_tokenizer()
@@ -116,7 +116,7 @@ def tiny_qwen2(seed: int = 1) -> tuple[Any, Any]:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,

@@ -1,4 +1,4 @@
-"""Backends: one file each, all behind :mod:`specem_core.backends.base`."""
+"""Backends: one module (or package, like ``http/``) each, all behind :mod:`specem_core.backends.base`."""
 
 from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
 

@@ -2,7 +2,10 @@
 
 How a session keeps SpecEM linear (SPEC §2):
 
-* The committed prefix ``prompt + enc(R)`` lives in one ``DynamicCache``; it is prefilled once.
+* The committed prefix ``prompt + enc(R)`` lives in one ``DynamicCache``; it is prefilled once,
+  on the session's first draft, score or commit: opening a session only renders, encodes and
+  checks the context window, so a prompt that does not fit one member is rejected before any
+  member does model work.
 * Drafting continues from that cache; the drafter records the raw logit and log-prob of every
   token it picks, so scoring its own candidate costs nothing when the candidate's canonical
   tokenization equals what it drafted.
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat
 from specem_core.errors import ContextWindowError, ModelNotFoundError
+from specem_core.gguf import validate_gguf
 from specem_core.types import Candidate, CandidateScore, Draft
 
 if TYPE_CHECKING:
@@ -107,17 +111,20 @@ class TransformersMember:
             device_map: passed to transformers (e.g. ``"auto"`` to spread a large model over GPUs).
 
         Raises:
-            ModelNotFoundError: nothing loadable at that id or path.
+            ModelNotFoundError: nothing loadable at that id or path; a local GGUF file that is
+                missing, not GGUF, or truncated (checked by :func:`specem_core.gguf.validate_gguf`
+                before anything is loaded).
         """
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         source = str(model_id_or_path)
         if gguf_file is None and source.endswith(".gguf"):
             path = Path(source)
-            if not path.is_file():
-                raise ModelNotFoundError(f"GGUF file not found: {source}")
+            validate_gguf(path)
             source, gguf_file = str(path.parent), path.name
+        elif gguf_file is not None and Path(source).is_dir():
+            validate_gguf(Path(source) / gguf_file)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         if device is None and device_map is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = _resolve_dtype(dtype, device or "cuda")
@@ -161,7 +168,12 @@ class TransformersMember:
         return f"torch:{self._device}"
 
     def open(self, request: SessionRequest) -> TransformersSession:
-        """Render, encode and prefill the prompt."""
+        """Render and encode the prompt and check that it fits (cheap: the prompt is prefilled on
+        the session's first draft, score or commit).
+
+        Raises:
+            ContextWindowError: the prompt does not fit in :attr:`context_window`.
+        """
         return TransformersSession(self, request)
 
     def __repr__(self) -> str:
@@ -298,7 +310,9 @@ class TransformersSession(MemberSession):
             self._generator.manual_seed(request.seed)
         self._draft: _DraftState | None = None
         self._pass: _ScorePass | None = None
-        self._next_logits = self._feed(self._prompt_ids)
+        self._next_logits: Any = None
+        """Next-token logits after the cached committed prefix (``None`` until prefilled)."""
+        self._prefilled = False
 
     # -- protocol ---------------------------------------------------------------------------
     @property
@@ -313,6 +327,7 @@ class TransformersSession(MemberSession):
 
     def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
         """Continue from the cached committed prefix by up to ``max_tokens`` tokens."""
+        self._ensure_prefilled()
         self._to_committed()
         if sampling.token_healing:
             healed = self._draft_healed(max_tokens, sampling)
@@ -427,6 +442,7 @@ class TransformersSession(MemberSession):
             pending.append((n, cand.text, full, lcp, with_eos))
         self._pass = None
         if pending:
+            self._ensure_prefilled()
             with torch.inference_mode():
                 self._score_batch(pending, out)
         return [s if s is not None else CandidateScore() for s in out]
@@ -436,6 +452,8 @@ class TransformersSession(MemberSession):
         torch = self._torch
         full = self._m.encode_response(self._text + text)
         draft, score_pass = self._draft, self._pass
+        if not final:
+            self._ensure_prefilled()
         with torch.inference_mode():
             if final:
                 pass  # accounting only: nobody continues from here
@@ -470,6 +488,19 @@ class TransformersSession(MemberSession):
         self._pass = None
 
     # -- internals --------------------------------------------------------------------------
+    def _ensure_prefilled(self) -> None:
+        """Prefill the prompt, once, then the response committed without KV work (``final``).
+
+        Everything after it (``_to_committed``, ``_draft_healed``, ``_score_batch``, ``commit``)
+        assumes the committed prefix is cached and ``_next_logits`` follows it.
+        """
+        if self._prefilled:
+            return
+        self._next_logits = self._feed(self._prompt_ids)
+        self._prefilled = True
+        if self._resp_ids:  # only after a ``final`` commit: nobody drafts from there, but stay exact
+            self._next_logits = self._feed(self._resp_ids)
+
     def _committed_len(self) -> int:
         return len(self._prompt_ids) + len(self._resp_ids)
 

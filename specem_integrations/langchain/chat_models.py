@@ -134,7 +134,7 @@ class ChatSpecEM(BaseChatModel):
     directories, ``.gguf`` files, Hugging Face ids, or ready :class:`specem_core.Member` objects.
     ``None`` means the embedded default pair."""
     member_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra arguments of :func:`specem_core.models.load_member` (``device``, ``dtype``, …)."""
+    """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, …)."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
@@ -261,7 +261,7 @@ class ChatSpecEM(BaseChatModel):
 
     def _build_engine(self) -> SpecEM:
         from specem_core.engine import SpecEM
-        from specem_core.models import default_members, load_member
+        from specem_core.registry import default_members, load_member
 
         if not self.members:
             members: list[Member] = list(default_members(**self.member_kwargs))

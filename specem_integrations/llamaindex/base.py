@@ -149,7 +149,7 @@ class SpecEMLLM(FunctionCallingLLM):
 
     def _build_engine(self) -> SpecEM:
         from specem_core.engine import SpecEM
-        from specem_core.models import default_members, load_member
+        from specem_core.registry import default_members, load_member
 
         members = [load_member(spec) for spec in self.members] if self.members else default_members()
         return SpecEM(members, SpecEMConfig())

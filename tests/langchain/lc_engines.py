@@ -17,7 +17,7 @@ REAL_MAX_TOKENS = 40
 
 @functools.cache
 def real_engine() -> SpecEM:
-    from specem_core.models import default_members
+    from specem_core.registry import default_members
 
     return SpecEM(default_members(), SpecEMConfig(max_new_tokens=REAL_MAX_TOKENS))
 

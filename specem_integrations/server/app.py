@@ -1,0 +1,573 @@
+"""The ASGI application behind ``specem serve``: an OpenAI-compatible chat-completions server.
+
+Stack: **Starlette + uvicorn**. The OpenAI surface is three routes, and what matters is exact
+control of the wire format: OpenAI-style error bodies for every failure (FastAPI's default
+422 validation errors and its HTTPException bodies would all have to be overridden), SSE
+streams that notice a client going away between two segments, and request validation with
+pydantic v2 models (a base dependency already). Starlette is the small, well-kept ASGI toolkit
+FastAPI itself is built on; uvicorn is the reference ASGI server (graceful shutdown on SIGINT /
+SIGTERM, bounded by ``timeout_graceful_shutdown``). Both are in the ``server`` extra.
+
+Concurrency model (one :class:`~specem_core.SpecEM` shared by every request, each request with
+its own member sessions):
+
+* **Admission**: at most ``max_concurrency`` requests run the ensemble at once; up to ``queue``
+  more wait in FIFO order; beyond that the answer is 429 with ``Retry-After``.
+* **Work**: each admitted request iterates ``engine.astream``, which runs the SpecEM loop in a
+  worker thread; the event loop only moves segments to clients, so ``/health`` and new requests
+  are answered while the ensemble computes.
+* **Cancel**: the ASGI receive channel is watched for ``http.disconnect`` while a request waits
+  in the queue, while it computes and while it streams; a client that goes away cancels the
+  request: ``astream`` is closed, the engine stops after the round in progress and closes the
+  member sessions (``/health`` counts open sessions through a thin wrapper on each member).
+* **Timeout**: ``request_timeout`` seconds from arrival, queue wait included: 504
+  ``request_timeout`` before the stream starts, an OpenAI-style ``error`` event inside a stream
+  that has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from specem_core.engine import SpecEM
+from specem_core.errors import AllMembersFailedError, ConfigError, ContextWindowError, InputError, SpecEMError
+from specem_core.types import GenerationResult, StreamEvent
+from specem_integrations.server._admission import Admission, QueueFullError, Stats
+from specem_integrations.server._errors import (
+    APIError,
+    internal_error,
+    invalid_request,
+    model_not_found,
+    queue_full,
+    timed_out,
+    unauthorized,
+)
+from specem_integrations.server._protocol import (
+    TRACE_HEADER,
+    ChunkWriter,
+    EngineCall,
+    build_call,
+    completion_body,
+    error_event,
+    parse_request,
+    segment_trace,
+    sse,
+    trace_body,
+)
+from specem_integrations.server._sessions import CountedMember, SessionCounter
+
+T = TypeVar("T")
+
+logger = logging.getLogger("specem.server")
+
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_QUEUE = 64
+DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+_WORKER_THREAD = "specem-astream"
+"""Name of the engine's ``astream`` worker threads (counted by ``/health``)."""
+
+Outcome = Literal["completed", "cancelled", "timed_out", "failed", "invalid"]
+"""How a request ended (the name of the ``/health`` counter it adds to)."""
+
+
+class _ClientGoneError(Exception):
+    """The client closed the connection."""
+
+
+class _TimedOutError(Exception):
+    """The per-request deadline passed."""
+
+
+class _DisconnectWatch:
+    """Waits on the ASGI receive channel for ``http.disconnect`` (the body has been read already)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.gone = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start watching (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+                return
+
+    async def stop(self) -> None:
+        """Stop watching."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+async def _guarded(work: Awaitable[T], watch: _DisconnectWatch, deadline: float | None) -> T:
+    """Await ``work`` unless the client goes away or the deadline passes first; then ``work`` is
+    cancelled (and awaited, so that what it held is released) and the reason raised."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(watch.gone.wait())
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - loop.time())
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        reason: Exception = _ClientGoneError() if gone in done else _TimedOutError()
+        raise reason
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+@dataclass
+class _Job:
+    """One admitted (or waiting) chat-completion request."""
+
+    call: EngineCall
+    request_id: str
+    created: int
+    deadline: float | None
+    agen: AsyncIterator[StreamEvent] | None = None
+    admitted_at: float | None = None
+    outcome: Outcome = "failed"
+    finished: bool = False
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that stops as soon as the client goes away or the deadline passes."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        watch: _DisconnectWatch,
+        deadline: float | None,
+        on_timeout: Callable[[], bytes],
+        finish: Callable[[Outcome | None], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._watch = watch
+        self._deadline = deadline
+        self._on_timeout = on_timeout
+        self._finish = finish
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self.body_iterator:
+            data = chunk if isinstance(chunk, bytes) else str(chunk).encode()
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome: Outcome | None = None  # None: as the body generator recorded it
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await _guarded(self._pump(send), self._watch, self._deadline)
+        except (_ClientGoneError, OSError):
+            outcome = "cancelled"
+        except _TimedOutError:
+            outcome = "timed_out"
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": self._on_timeout(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:  # server shutdown past its grace period
+            outcome = "cancelled"
+            raise
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(BaseException):
+                    await closer()
+            await self._finish(outcome)
+
+
+class _Server:
+    """State shared by the routes of one app (the API key is kept out of ``repr``)."""
+
+    def __init__(
+        self,
+        engine: SpecEM,
+        *,
+        api_key: str | None,
+        max_concurrency: int,
+        queue: int,
+        request_timeout: float | None,
+        model_name: str,
+        count_sessions: bool,
+        max_body_bytes: int,
+    ) -> None:
+        if not model_name or not model_name.strip():
+            raise ValueError("model_name must be a non-empty string")
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be non-empty (or None for no authentication)")
+        self.sessions = SessionCounter()
+        if count_sessions:
+            members = [CountedMember(m, self.sessions) for m in engine.members]
+            engine = SpecEM(members, engine.config)
+        self.engine = engine
+        self.member_names = [m.name for m in engine.members]
+        self._key = api_key.encode() if api_key is not None else None
+        self.admission = Admission(max_concurrency, queue)
+        self.request_timeout = request_timeout if request_timeout and request_timeout > 0 else None
+        self.model_name = model_name
+        self.count_sessions = count_sessions
+        self.max_body_bytes = max_body_bytes
+        self.stats = Stats()
+        self.started = time.time()
+
+    def __repr__(self) -> str:
+        auth = "on" if self._key is not None else "off"
+        return f"<specem server model={self.model_name!r} members={self.member_names} auth={auth}>"
+
+    # -- helpers -------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        """Check the bearer key (constant-time); nothing about the key given is echoed or logged."""
+        if self._key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            self.stats.add("invalid")
+            raise unauthorized(missing=True)
+        if not hmac.compare_digest(token.encode(), self._key):
+            self.stats.add("invalid")
+            raise unauthorized(missing=False)
+
+    async def read_json(self, request: Request) -> object:
+        """The body as JSON (400 when it does not parse, 413 when it is too large)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise invalid_request("the request body is empty: send a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise invalid_request(
+                f"We could not parse the JSON body of your request ({type(exc).__name__}: {exc}).",
+                code="invalid_json",
+            ) from None
+
+    def engine_error(self, exc: BaseException, request_id: str) -> APIError:
+        """An engine exception as an API error (4xx for the caller's input, 5xx otherwise)."""
+        if isinstance(exc, ContextWindowError):
+            return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+        if isinstance(exc, InputError | ConfigError):
+            return invalid_request(str(exc))
+        if isinstance(exc, AllMembersFailedError):  # one line naming each member, stage and error
+            logger.warning("request %s: %s", request_id, exc)
+            return APIError(500, str(exc), type="server_error", code="all_members_failed")
+        if isinstance(exc, SpecEMError):
+            logger.warning("request %s: %s", request_id, exc)
+            return APIError(500, str(exc), type="server_error", code="engine_error")
+        logger.error("request %s failed", request_id, exc_info=(type(exc), exc, exc.__traceback__))
+        return internal_error(f"The server had an error while processing your request (request id {request_id}).")
+
+    def engine_workers(self) -> int:
+        """Engine worker threads alive (a cancelled request's worker ends after its current round)."""
+        return sum(1 for t in threading.enumerate() if t.name == _WORKER_THREAD)
+
+    # -- request life cycle ----------------------------------------------------------------------
+    async def admit(self, job: _Job) -> None:
+        """Wait for a slot (raises :class:`QueueFullError`)."""
+        await self.admission.acquire()
+        job.admitted_at = asyncio.get_running_loop().time()
+        self.stats.add("started")
+
+    def start(self, job: _Job) -> AsyncIterator[StreamEvent]:
+        """Start the engine on an admitted job."""
+        call = job.call
+        job.agen = self.engine.astream(call.messages, **call.kwargs, **call.overrides)
+        return job.agen
+
+    async def finish(self, job: _Job, outcome: Outcome | None = None) -> None:
+        """Close the engine stream (the worker stops after its round), free the slot, count (once)."""
+        if job.finished:
+            return
+        job.finished = True
+        if outcome is not None:
+            job.outcome = outcome
+        closer = getattr(job.agen, "aclose", None)
+        if closer is not None:
+            with contextlib.suppress(BaseException):
+                await closer()
+        if job.admitted_at is not None:
+            self.admission.release(asyncio.get_running_loop().time() - job.admitted_at)
+        self.stats.add(job.outcome)
+
+    @staticmethod
+    async def collect(agen: AsyncIterator[StreamEvent]) -> GenerationResult:
+        """Run a request to its end."""
+        async for event in agen:
+            if event.done and event.result is not None:
+                return event.result
+        raise SpecEMError("the engine ended without a result")
+
+    async def sse_body(self, job: _Job, first: StreamEvent) -> AsyncIterator[bytes]:
+        """The SSE events of one streamed answer: role, one chunk per segment, calls, end, usage."""
+        assert job.agen is not None
+        call = job.call
+        writer = ChunkWriter(job.request_id, job.created, self.model_name, call.include_usage)
+        yield sse(writer.chunk({"role": "assistant", "content": ""}))
+        event = first
+        while True:
+            extra = {"specem": segment_trace(event.segment)} if call.trace and event.segment is not None else None
+            if event.delta:
+                yield sse(writer.chunk({"content": event.delta}, extra=extra))
+            if event.done:
+                result = event.result
+                if result is None:
+                    job.outcome = "failed"
+                    yield error_event(internal_error("the engine ended without a result"))
+                    return
+                for chunk in writer.tool_call_chunks(result):
+                    yield sse(chunk)
+                final_extra = {"specem": trace_body(result)} if call.trace else None
+                yield sse(writer.chunk({}, result.finish_reason, extra=final_extra))
+                if call.include_usage:
+                    yield sse(writer.usage_chunk(result))
+                yield sse("[DONE]")
+                job.outcome = "completed"
+                return
+            try:
+                event = await anext(job.agen)
+            except StopAsyncIteration:
+                job.outcome = "failed"
+                yield error_event(internal_error("the engine ended without a result"))
+                return
+            except Exception as exc:
+                job.outcome = "failed"
+                yield error_event(self.engine_error(exc, job.request_id))
+                return
+
+    # -- routes --------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        """Liveness plus load: requests running and queued, sessions and engine workers alive."""
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                "members": self.member_names,
+                "max_concurrency": self.admission.max_concurrency,
+                "queue": self.admission.queue,
+                "requests_in_flight": self.admission.running,
+                "requests_queued": self.admission.waiting,
+                "sessions_open": self.sessions.open if self.count_sessions else None,
+                "sessions_opened_total": self.sessions.opened_total if self.count_sessions else None,
+                "engine_workers": self.engine_workers(),
+                "requests": self.stats.to_dict(),
+                "uptime_s": round(time.time() - self.started, 3),
+            }
+        )
+
+    def _model(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "specem",
+            "members": self.member_names,
+        }
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the ensemble as one model."""
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``."""
+        self.authorize(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise model_not_found(model_id)
+        return JSONResponse(self._model())
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions`` (JSON or SSE)."""
+        self.authorize(request)
+        try:
+            try:
+                body = await self.read_json(request)
+            except ClientDisconnect:  # gone while sending the body
+                self.stats.add("cancelled")
+                return Response(status_code=499)
+            req = parse_request(body)
+            if req.model is not None and req.model != self.model_name:
+                raise model_not_found(req.model)
+            trace_header = request.headers.get(TRACE_HEADER, "").strip().lower() in ("1", "true", "yes")
+            call = build_call(req, self.engine.config, trace_header=trace_header)
+        except APIError:
+            self.stats.add("invalid")
+            raise
+        loop = asyncio.get_running_loop()
+        job = _Job(
+            call=call,
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            deadline=None if self.request_timeout is None else loop.time() + self.request_timeout,
+        )
+        watch = _DisconnectWatch(request.receive)
+        watch.start()
+        handed_over = False
+        try:
+            try:
+                await _guarded(self.admit(job), watch, job.deadline)
+            except QueueFullError as exc:
+                self.stats.add("rejected")
+                job.finished = True
+                raise queue_full(exc.retry_after) from None
+            agen = self.start(job)
+            headers = {"x-request-id": job.request_id}
+            if call.stream:
+                first = await _guarded(anext(agen), watch, job.deadline)
+                seconds = self.request_timeout or 0.0
+
+                async def finish(outcome: Outcome | None) -> None:
+                    await self.finish(job, outcome)
+                    await watch.stop()
+
+                response = _EventStream(
+                    self.sse_body(job, first),
+                    watch,
+                    job.deadline,
+                    on_timeout=lambda: error_event(timed_out(seconds)),
+                    finish=finish,
+                    headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                )
+                handed_over = True
+                return response
+            result = await _guarded(self.collect(agen), watch, job.deadline)
+            job.outcome = "completed"
+            body_out = completion_body(
+                result, request_id=job.request_id, created=job.created, model=self.model_name, trace=call.trace
+            )
+            return JSONResponse(body_out, headers=headers)
+        except _ClientGoneError:
+            job.outcome = "cancelled"
+            return Response(status_code=499)  # nobody is listening any more
+        except _TimedOutError:
+            job.outcome = "timed_out"
+            raise timed_out(self.request_timeout or 0.0) from None
+        except APIError:
+            raise
+        except Exception as exc:
+            job.outcome = "failed"
+            error = self.engine_error(exc, job.request_id)
+            if error.status < 500:
+                job.outcome = "invalid"  # the caller's input (e.g. context_length_exceeded)
+            raise error from None
+        finally:
+            if not handed_over:
+                await self.finish(job)
+                await watch.stop()
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    error = APIError(exc.status_code, message, type=kind, code=codes.get(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.error(
+        "unhandled error on %s %s", request.method, request.url.path, exc_info=(type(exc), exc, exc.__traceback__)
+    )
+    return internal_error().response()
+
+
+def create_app(
+    engine: SpecEM,
+    *,
+    api_key: str | None = None,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    queue: int = DEFAULT_QUEUE,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+    model_name: str = "specem",
+    count_sessions: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
+    """The OpenAI-compatible ASGI app serving ``engine`` as one model.
+
+    Routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
+    ``GET /v1/models/{id}`` and ``GET /health`` (no authentication: load and counters only).
+
+    Args:
+        engine: the ensemble; every request shares its loaded members and its configuration
+            (the defaults that a request's parameters override).
+        api_key: when given, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (compared in
+            constant time; never logged or echoed).
+        max_concurrency: requests running the ensemble at once.
+        queue: requests allowed to wait for a slot; beyond that 429 with ``Retry-After``.
+        request_timeout: seconds from arrival (queue wait included); ``None`` or 0: no limit.
+        model_name: the model id clients name (``GET /v1/models``); another name is a 404.
+        count_sessions: wrap each member to count open sessions for ``/health`` (the members'
+            weights stay shared; the served engine is ``SpecEM(wrapped members, engine.config)``).
+        max_body_bytes: larger request bodies are refused with 413.
+
+    Raises:
+        ValueError: a bad limit, an empty ``model_name`` or an empty ``api_key``.
+    """
+    server = _Server(
+        engine,
+        api_key=api_key,
+        max_concurrency=max_concurrency,
+        queue=queue,
+        request_timeout=request_timeout,
+        model_name=model_name,
+        count_sessions=count_sessions,
+        max_body_bytes=max_body_bytes,
+    )
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.specem = server
+    return app
