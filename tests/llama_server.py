@@ -236,7 +236,7 @@ def scores_beside_transformers(member: Any, messages: list[dict[str, str]], mode
     from specem_core.registry import load_member
     from specem_core.types import Candidate
 
-    local = load_member(model, device="cpu")
+    local = load_member(model, device="cpu", backend="transformers")
     request = SessionRequest(messages)
     cands = [Candidate("a", " The capital of France is Paris.", True), Candidate("b", " Berlin, of course.", False)]
     remote_session, local_session = member.open(request), local.open(request)

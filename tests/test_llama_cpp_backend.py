@@ -288,3 +288,57 @@ def test_bad_gguf_files_are_named(tmp_path: Path, models: dict[str, LlamaCppMode
         cut.write_bytes(models["llama"].path.read_bytes()[: 40 << 20])
         with pytest.raises(ModelNotFoundError, match=r"cut\.gguf"):
             LlamaCppModel(cut)
+
+
+# -- specs, defaults and the integrations ------------------------------------------------------
+def test_specs_and_backend_keyword_select_llama_cpp(tmp_path: Path, models: dict[str, LlamaCppModel]) -> None:
+    from specem_core import registry
+
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    assert registry.default_backend() == "llamacpp"  # llama-cpp-python imports and no CUDA here
+    a = registry.load_member("llamacpp:smollm2")
+    b = registry.load_member("smollm2", backend="llamacpp", name="other")
+    c = registry.load_member(str(models["llama"].path), backend="llamacpp")
+    assert isinstance(a, LlamaCppMember)
+    assert a.model is b.model is c.model  # one set of weights, shared
+    assert (a.name, b.name, c.name) == ("smollm2-135m-instruct", "other", "SmolLM2-135M-Instruct.Q4_1")
+    assert registry.load_member("gemma3", backend="llamacpp").can_draft is False  # a base model verifies
+    with pytest.raises(ModelNotFoundError, match="unknown backend"):
+        registry.load_member("smollm2", backend="vllm")
+    with pytest.raises(ModelNotFoundError, match="hub id"):
+        registry.load_member("llamacpp:Qwen/Qwen2.5-7B-Instruct")
+    with pytest.raises(ModelNotFoundError, match="not a directory"):
+        registry.load_member(f"llamacpp:{tmp_path}")
+    with pytest.raises(ModelNotFoundError, match="no such model"):
+        registry.load_member("llamacpp:/nowhere/x.gguf")
+
+
+def test_cli_backend_flag_and_pull(capsys: pytest.CaptureFixture[str], models: dict[str, LlamaCppModel]) -> None:
+    from specem_core.cli import main
+
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    code = main(["chat", "Say hi.", "--backend", "llamacpp", "--model", "smollm2", "--max-new-tokens", "8", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert '"smollm2-135m-instruct"' in out.out
+    assert main(["models", "pull", "smollm2", "--backend", "llamacpp"]) == 0
+    assert capsys.readouterr().out.strip().endswith(".gguf")
+    assert main(["chat", "hi", "--model", "llamacpp:Qwen/x"]) == 2
+    assert "hub id" in capsys.readouterr().err
+
+
+def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None:
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from specem_integrations.langchain import ChatSpecEM
+    from specem_integrations.llamaindex import SpecEMLLM
+
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    chat = ChatSpecEM(members=["smollm2"], backend="llamacpp", max_tokens=8, temperature=0)
+    assert chat.invoke("Say hi.").content
+    assert isinstance(chat.get_engine().members[0], LlamaCppMember)
+    llm = SpecEMLLM(members=["smollm2"], backend="llamacpp", max_new_tokens=8)
+    assert llm.complete("Say hi.").text

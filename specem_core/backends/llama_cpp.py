@@ -79,7 +79,7 @@ def _lib() -> Any:
         if not _BACKEND_READY:
             log = logging.getLogger("llama-cpp-python")
             if log.level == logging.NOTSET:  # llama.cpp prints every load step otherwise
-                log.setLevel(logging.ERROR)
+                log.setLevel(logging.CRITICAL)
             llama_cpp.llama_backend_init()
             _BACKEND_READY = True
     return llama_cpp

@@ -77,6 +77,7 @@ class ChatSpecEM(BaseChatModel):
 
             llm = ChatSpecEM(max_tokens=64)  # the default pair
             llm = ChatSpecEM(members=["smollm2", "qwen2.5-coder"], segment_len=8, temperature=0)
+            llm = ChatSpecEM(members=["qwen2.5-coder-1.5b", "qwen2.5-coder", "smollm2"], backend="llamacpp")
             llm = ChatSpecEM(members=["Qwen/Qwen2.5-1.5B-Instruct", "./my-model", "model.gguf"])
 
     Invoke:
@@ -133,8 +134,11 @@ class ChatSpecEM(BaseChatModel):
     """The ensemble: default model names (``"smollm2"``, ``"qwen2.5-coder"``, ``"gemma3"``), local
     directories, ``.gguf`` files, Hugging Face ids, or ready :class:`specem_core.Member` objects.
     ``None`` means the embedded default pair."""
+    backend: Literal["auto", "transformers", "llamacpp"] | None = None
+    """Backend of the members given by name: ``"llamacpp"`` (GGUF in process, the CPU default when
+    llama-cpp-python is installed), ``"transformers"``, or ``None``/``"auto"``."""
     member_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, …)."""
+    """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, ``n_ctx``…)."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
@@ -263,12 +267,12 @@ class ChatSpecEM(BaseChatModel):
         from specem_core.engine import SpecEM
         from specem_core.registry import default_members, load_member
 
+        options = {"backend": self.backend, **self.member_kwargs}
         if not self.members:
-            members: list[Member] = list(default_members(**self.member_kwargs))
+            members: list[Member] = list(default_members(**options))
         else:
             members = [
-                load_member(os.fspath(m), **self.member_kwargs) if isinstance(m, str | os.PathLike) else m
-                for m in self.members
+                load_member(os.fspath(m), **options) if isinstance(m, str | os.PathLike) else m for m in self.members
             ]
         return SpecEM(members)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from llama_index.core.base.llms.generic_utils import (
     achat_to_completion_decorator,
@@ -87,6 +87,13 @@ class SpecEMLLM(FunctionCallingLLM):
             ".gguf files or HF ids). Empty: the default pair. Ignored when an engine is passed."
         ),
     )
+    backend: Literal["auto", "transformers", "llamacpp"] | None = Field(
+        default=None,
+        description=(
+            "Backend of the members given by name: 'llamacpp' (GGUF in process, the CPU default when "
+            "llama-cpp-python is installed), 'transformers', or None/'auto'."
+        ),
+    )
     max_new_tokens: int | None = Field(
         default=None,
         gt=0,
@@ -151,7 +158,10 @@ class SpecEMLLM(FunctionCallingLLM):
         from specem_core.engine import SpecEM
         from specem_core.registry import default_members, load_member
 
-        members = [load_member(spec) for spec in self.members] if self.members else default_members()
+        if self.members:
+            members = [load_member(spec, backend=self.backend) for spec in self.members]
+        else:
+            members = default_members(backend=self.backend)
         return SpecEM(members, SpecEMConfig())
 
     def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
