@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specem_core.backends._drafts import DraftState, common_prefix, mean_score
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat, JinjaChatTemplate
 from specem_core.errors import ContextWindowError, ModelNotFoundError, SpecEMError
@@ -55,7 +56,7 @@ _SCRATCH_SEQUENCES = 15
 """Candidates one verification pass can fork (sequence ids 1..15; 0 is the session)."""
 _CANDIDATE_ROOM = 256
 """KV cells kept free for the candidates of a verification pass (not part of the context window)."""
-_MAX_OUTPUTS = 256
+_MAX_OUTPUTS = 128
 """Logit rows one decode call may return (bounds the per-context output buffer)."""
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
@@ -552,20 +553,6 @@ class LlamaCppMember:
 
 
 @dataclass
-class _DraftState:
-    ids: list[int]
-    token_scores: list[tuple[float, float]]
-    """(raw logit, log-prob) of each drafted token, as the drafter saw them."""
-    eos_score: tuple[float, float] | None
-    ended: bool
-    text: str
-    fed: int
-    """How many of ``ids`` are in the KV sequence (all but the last, unless the draft ended)."""
-    canonical: bool
-    """False when the text was cut (turn-stop string, incomplete character) or healed."""
-
-
-@dataclass
 class _Row:
     """A candidate scored in this round's pass, kept in case it wins and its rows can be adopted."""
 
@@ -611,7 +598,7 @@ class LlamaCppSession(MemberSession):
         """Next-token logits after the committed prefix."""
         self._next_logits: Any = None
         """Next-token logits after the last position held (the committed prefix, or a draft)."""
-        self._draft: _DraftState | None = None
+        self._draft: DraftState | None = None
         self._rows: dict[str, _Row] = {}
         self._scratch: list[int] = []
         self._closed = False
@@ -645,20 +632,14 @@ class LlamaCppSession(MemberSession):
         draft = self._draft
         for n, cand in enumerate(candidates):
             full = self._m.encode_response(self._text + cand.text)
-            lcp = _common_prefix(self._resp_ids, full)
+            lcp = common_prefix(self._resp_ids, full)
             new_ids = full[lcp:]
             with_eos = cand.ended and (score_eos or not new_ids)
-            if (
-                draft is not None
-                and draft.canonical
-                and draft.text == cand.text
-                and draft.ended == cand.ended
-                and lcp == len(self._resp_ids)
-                and new_ids == draft.ids
-                and (not with_eos or draft.eos_score is not None)
-            ):
-                own = list(draft.token_scores) + ([draft.eos_score] if with_eos and draft.eos_score else [])
-                out[n] = _mean_score(own)
+            own = None
+            if draft is not None:
+                own = draft.own_score(cand, resp_len=len(self._resp_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
+            if own is not None:
+                out[n] = own
                 continue
             if not new_ids and not with_eos:
                 with_eos = True  # nothing to score but the end of turn
@@ -758,7 +739,7 @@ class LlamaCppSession(MemberSession):
 
     def _extend_to(self, full: list[int]) -> None:
         """Roll the sequence back to the common prefix with ``full`` and feed the rest."""
-        lcp = _common_prefix(self._resp_ids, full)
+        lcp = common_prefix(self._resp_ids, full)
         start = len(self._prompt_ids) + lcp
         tail = full[lcp:]
         if not tail:  # nothing new: recompute the logits of the last kept token
@@ -807,7 +788,7 @@ class LlamaCppSession(MemberSession):
             if cut != -1:
                 text, ended, canonical = text[:cut], True, False
         fed = min(fed, len(ids))
-        self._draft = _DraftState(ids, scores, eos_score, ended, text, fed, canonical)
+        self._draft = DraftState(ids, scores, eos_score, ended, text, fed, canonical)
         return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0))
 
     def _draft_healed(self, max_tokens: int, sampling: SamplingParams) -> Draft | None:
@@ -925,7 +906,7 @@ class LlamaCppSession(MemberSession):
             if extends:
                 raw = float(self._committed_logits[targets[0]])
                 stats.insert(0, (raw, raw - head_lse))
-            out[n] = _mean_score(stats)
+            out[n] = mean_score(stats)
             if seq >= 0:
                 if extends and text not in self._rows:
                     in_row = min(text_len, length)
@@ -934,24 +915,6 @@ class LlamaCppSession(MemberSession):
                         seq, full, start, start + in_row, targets[in_row:text_len], last, first_block
                     )
                 first_block = False
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _mean_score(scores: Sequence[tuple[float, float]]) -> CandidateScore:
-    if not scores:
-        return CandidateScore(mean_logit=0.0, mean_logprob=0.0, n_tokens=0)
-    return CandidateScore(
-        mean_logit=sum(s[0] for s in scores) / len(scores),
-        mean_logprob=sum(s[1] for s in scores) / len(scores),
-        n_tokens=len(scores),
-    )
 
 
 def _logsumexp(np: Any, row: Any) -> float:

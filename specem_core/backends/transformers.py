@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specem_core.backends._drafts import DraftState, common_prefix
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat
 from specem_core.errors import ContextWindowError, ModelNotFoundError
@@ -252,20 +253,6 @@ class TransformersMember:
 
 
 @dataclass
-class _DraftState:
-    ids: list[int]
-    token_scores: list[tuple[float, float]]
-    """(raw logit, log-prob) of each drafted token, as the drafter saw them."""
-    eos_score: tuple[float, float] | None
-    ended: bool
-    text: str
-    fed: int
-    """How many of ``ids`` are in the cache (all but the last, unless the draft ended)."""
-    canonical: bool
-    """False when the text was cut (turn-stop string, incomplete character)."""
-
-
-@dataclass
 class _Row:
     """A candidate scored in this round's batched pass, kept in case it wins."""
 
@@ -308,7 +295,7 @@ class TransformersSession(MemberSession):
         if request.seed is not None:
             self._generator = torch.Generator(device="cpu")
             self._generator.manual_seed(request.seed)
-        self._draft: _DraftState | None = None
+        self._draft: DraftState | None = None
         self._pass: _ScorePass | None = None
         self._next_logits: Any = None
         """Next-token logits after the cached committed prefix (``None`` until prefilled)."""
@@ -376,7 +363,7 @@ class TransformersSession(MemberSession):
             if cut != -1:
                 text, ended, canonical = text[:cut], True, False
         fed = min(fed, len(ids))
-        self._draft = _DraftState(ids, scores, eos_score, ended, text, fed, canonical)
+        self._draft = DraftState(ids, scores, eos_score, ended, text, fed, canonical)
         return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0))
 
     def _draft_healed(self, max_tokens: int, sampling: SamplingParams) -> Draft | None:
@@ -422,20 +409,14 @@ class TransformersSession(MemberSession):
         draft = self._draft
         for n, cand in enumerate(candidates):
             full = self._m.encode_response(self._text + cand.text)
-            lcp = _common_prefix(self._resp_ids, full)
+            lcp = common_prefix(self._resp_ids, full)
             new_ids = full[lcp:]
             with_eos = cand.ended and (score_eos or not new_ids)
-            if (
-                draft is not None
-                and draft.canonical
-                and draft.text == cand.text
-                and draft.ended == cand.ended
-                and lcp == len(self._resp_ids)
-                and new_ids == draft.ids
-                and (not with_eos or draft.eos_score is not None)
-            ):
-                own = list(draft.token_scores) + ([draft.eos_score] if with_eos and draft.eos_score else [])
-                out[n] = _mean_score(own)
+            own = None
+            if draft is not None:
+                own = draft.own_score(cand, resp_len=len(self._resp_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
+            if own is not None:
+                out[n] = own
                 continue
             if not new_ids and not with_eos:
                 with_eos = True  # nothing to score but the end of turn
@@ -532,7 +513,7 @@ class TransformersSession(MemberSession):
 
     def _extend_to(self, full: list[int]) -> None:
         """Roll the cache back to the common prefix with ``full`` and feed the rest."""
-        lcp = _common_prefix(self._resp_ids, full)
+        lcp = common_prefix(self._resp_ids, full)
         start = len(self._prompt_ids) + lcp
         tail = full[lcp:]
         if not tail:  # nothing new: recompute the logits of the last kept token
@@ -628,24 +609,6 @@ class TransformersSession(MemberSession):
         for layer, (keys, values) in zip(self._cache.layers, snapshot, strict=True):
             layer.keys, layer.values = keys, values
         self._pass = score_pass
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _mean_score(scores: Sequence[tuple[float, float]]) -> CandidateScore:
-    if not scores:
-        return CandidateScore(mean_logit=0.0, mean_logprob=0.0, n_tokens=0)
-    return CandidateScore(
-        mean_logit=sum(s[0] for s in scores) / len(scores),
-        mean_logprob=sum(s[1] for s in scores) / len(scores),
-        n_tokens=len(scores),
-    )
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

@@ -85,6 +85,7 @@ from specem_core.backends.http.errors import (
 from specem_core.chat_format import (
     PLAIN_TURN_STOPS,
     ChatFormat,
+    JinjaChatTemplate,
     flatten_tool_turns,
     render_plain,
     with_tool_instructions,
@@ -206,45 +207,9 @@ def splice_continuation(partial: str, reply: str, anchor: str) -> str:
 
 
 # -- chat-template helpers ------------------------------------------------------------------
-class _JinjaTemplate:
-    """Renders a Jinja chat template without a tokenizer (for ``chat_template=`` alone)."""
-
-    def __init__(self, template: str, bos_token: str = "", eos_token: str = "") -> None:
-        self.chat_template = template
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        chat_template: str | None = None,
-        tokenize: bool = False,
-        add_generation_prompt: bool = False,
-        **kwargs: Any,
-    ) -> str:
-        import json
-
-        import jinja2
-        import jinja2.sandbox
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.TemplateError(message)
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii
-        )
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(chat_template or self.chat_template)
-        return str(
-            template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **kwargs,
-            )
-        )
+class _JinjaTemplate(JinjaChatTemplate):
+    """Renders a Jinja chat template without a tokenizer (for ``chat_template=`` alone); it stands
+    in for a tokenizer that counts no tokens."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return []
