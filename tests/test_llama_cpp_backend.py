@@ -88,8 +88,26 @@ def _cands(draft_text: str, draft_ended: bool) -> list[Candidate]:
     ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cached_scores_equal_a_from_scratch_evaluation(models: dict[str, LlamaCppModel], kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "compact"), [*((k, False) for k in KINDS), ("llama", True)], ids=[*KINDS, "llama-compacting"]
+)
+def test_cached_scores_equal_a_from_scratch_evaluation(
+    models: dict[str, LlamaCppModel], kind: str, compact: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every commit path (own draft, an adopted scored row with cells retired below it, a boundary
+    merge, a refill of the context) leaves the cache equal to a fresh evaluation."""
+    from specem_core.backends.llama_cpp import LlamaCppSession
+
+    refills: list[int] = []
+    if compact:  # refill the context after every commit that retired cells
+        original = LlamaCppSession._compact
+
+        def counted(self: LlamaCppSession) -> None:
+            refills.append(self._ballast)
+            original(self)
+
+        monkeypatch.setattr(LlamaCppSession, "_needs_compaction", lambda self: self._ballast > 0)
+        monkeypatch.setattr(LlamaCppSession, "_compact", counted)
     m = _member(models, kind)
     session = m.open(REQ)
     prompt = m.encode_prompt(REQ)
@@ -108,6 +126,9 @@ def test_cached_scores_equal_a_from_scratch_evaluation(models: dict[str, LlamaCp
         text = commits[rnd] if rnd != 2 or not d.text or d.ended else d.text
         session.commit(text)
         assert session._length == len(prompt) + len(session._resp_ids)
+        if compact:
+            assert session._ballast == 0
+    assert refills or not compact  # the refill path ran
     # after every commit path, the next-token logits equal a fresh evaluation
     ids = prompt + m.encode_response(session._text)
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]

@@ -10,15 +10,16 @@ How a session keeps SpecEM linear (SPEC §2), as the transformers backend does:
   scratch sequence that shares the committed prefix (``llama_memory_seq_cp`` tags the prefix
   cells, nothing is copied); only the scored positions request logits, and the first token of a
   candidate is scored from the logits the session already holds.
-* Commit keeps the drafter's own KV rows when its draft wins, adopts a scored candidate's rows when
-  that keeps the session's cells in position order, and otherwise rolls back to the first changed
-  token and feeds the winner (one decode of the segment).
+* Commit keeps the drafter's own KV rows when its draft wins and otherwise adopts the winner's
+  scored rows; when the committed text is not a scored candidate (cut at a stop string), it rolls
+  back to the first changed token and feeds the rest.
 
-Why the last rule: with this llama.cpp (llama-cpp-python 0.3.36) a sequence whose newer position
-sits in a *lower* KV cell than an older one gets wrong attention (measured: logits off by 0.3–0.5
-against a from-scratch evaluation; ``tests/test_llama_cpp_backend.py`` checks the rule). Freed
-cells below a live sequence would be reused that way, so a session owns a private
-``llama_context`` whose cells it fills strictly upwards, and scratch cells always lie above it.
+Cells are never reused below a session's newest cell: with this llama.cpp (llama-cpp-python
+0.3.36) a sequence whose newer position sits in a *lower* KV cell than an older one gets wrong
+attention (measured: logits off by 0.3–0.5 against a from-scratch evaluation). So a session owns a
+private ``llama_context`` that it fills upwards; cells below an adopted winner (the session's own
+losing draft, earlier candidates) are retired to a ballast sequence instead of freed, and the
+context is refilled in one batched prefill once the ballast outweighs the live prefix.
 
 Text stays the source of truth: the committed response is re-encoded as a whole and compared with
 the cached ids, exactly as in :mod:`specem_core.backends.transformers`.
@@ -52,10 +53,14 @@ from specem_core.types import Candidate, CandidateScore, Draft
 _UTF8_EXTRA_TOKENS = 4
 """Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
 _DEFAULT_N_CTX = 4096
-_SCRATCH_SEQUENCES = 15
-"""Candidates one verification pass can fork (sequence ids 1..15; 0 is the session)."""
+_SCRATCH_SEQUENCES = 14
+"""Candidates one verification pass can fork (sequence ids 1..14; 0 is the session)."""
+_BALLAST = 15
+"""Sequence that keeps cells below the session's newest cells occupied (see ``_retire``)."""
 _CANDIDATE_ROOM = 256
 """KV cells kept free for the candidates of a verification pass (not part of the context window)."""
+_COMPACT_AFTER = 192
+"""Retired cells tolerated before a session refills its context (when they also exceed its length)."""
 _MAX_OUTPUTS = 128
 """Logit rows one decode call may return (bounds the per-context output buffer)."""
 _BACKEND_LOCK = threading.Lock()
@@ -123,7 +128,7 @@ class _Context:
         cparams.n_ctx = model.n_ctx
         cparams.n_batch = model.n_batch
         cparams.n_ubatch = model.n_batch
-        cparams.n_seq_max = 1 + _SCRATCH_SEQUENCES
+        cparams.n_seq_max = 2 + _SCRATCH_SEQUENCES
         cparams.n_outputs_max = _MAX_OUTPUTS
         cparams.n_threads = model.n_threads
         cparams.n_threads_batch = model.n_threads
@@ -561,13 +566,9 @@ class _Row:
     start: int
     """First position of the row (the committed length when it adds to the committed ids)."""
     cache_len: int
-    """Sequence length after the row's text tokens that were decoded."""
-    pending: list[int]
-    """Its last text token when the row did not decode it (a row stops before its last target)."""
+    """Sequence length after the candidate's text tokens (EOS excluded)."""
     next_logits: Any
-    """Logits after the last text token, when the row decoded it."""
-    first_block: bool
-    """Its cells are the lowest scratch cells (directly above the committed prefix)."""
+    """Logits after the last text token."""
 
 
 class LlamaCppSession(MemberSession):
@@ -600,7 +601,10 @@ class LlamaCppSession(MemberSession):
         """Next-token logits after the last position held (the committed prefix, or a draft)."""
         self._draft: DraftState | None = None
         self._rows: dict[str, _Row] = {}
-        self._scratch: list[int] = []
+        self._scratch: list[tuple[int, int, int]] = []
+        """(sequence, first position, end position) of this round's candidate rows, in allocation order."""
+        self._ballast = 0
+        """Cells (an upper bound) retired to the ballast sequence since the last (re)fill."""
         self._closed = False
 
     # -- protocol ---------------------------------------------------------------------------
@@ -666,16 +670,8 @@ class LlamaCppSession(MemberSession):
             self._set_length(committed + draft.fed)
             unfed = draft.ids[draft.fed :]
             self._next_logits = self._feed(unfed) if unfed else self._next_logits
-        elif (
-            row is not None
-            and row.full_ids == full
-            and row.first_block
-            and row.start == committed == self._length  # no draft rows between the prefix and the row
-        ):
-            self._ctx.share(row.seq, 0, row.start, row.cache_len)
-            self._length = row.cache_len
-            self._drop_scratch()
-            self._next_logits = self._feed(row.pending) if row.pending else row.next_logits
+        elif row is not None and row.full_ids == full:
+            self._adopt(row)
         else:
             self._drop_scratch()
             self._set_length(committed)
@@ -685,6 +681,8 @@ class LlamaCppSession(MemberSession):
         self._committed_logits = self._next_logits
         self._draft = None
         self._rows = {}
+        if not final and self._ctx is not None and self._needs_compaction():
+            self._compact()
 
     def close(self) -> None:
         """Return the session's context to the pool."""
@@ -711,7 +709,7 @@ class LlamaCppSession(MemberSession):
             raise LlamaCppError(f"{self._m.name}: the session is closed")
         if self._ctx is None:
             self._ctx = self._model.acquire_context()
-            self._length = 0
+            self._length = self._ballast = 0
             self._next_logits = self._feed(self._prompt_ids + self._resp_ids)
             self._committed_logits = self._next_logits
 
@@ -751,8 +749,50 @@ class LlamaCppSession(MemberSession):
     def _drop_scratch(self) -> None:
         assert self._ctx is not None
         while self._scratch:
-            self._ctx.drop_scratch(self._scratch.pop())
+            self._ctx.drop_scratch(self._scratch.pop()[0])
         self._rows = {}
+
+    def _adopt(self, row: _Row) -> None:
+        """Make the winner's scored rows the session's cache.
+
+        Every cell allocated before the winner's (the session's draft, candidates earlier in the
+        pass) lies below it: those are retired to the ballast sequence rather than freed, so the
+        session never reuses a cell below its newest one; later candidates are freed.
+        """
+        ctx = self._ctx
+        assert ctx is not None
+        if self._length > row.start:  # draft rows (or re-read committed rows) below the winner
+            self._retire(0, row.start, self._length)
+            ctx.truncate(0, row.start)
+        ctx.share(row.seq, 0, row.start, row.cache_len)
+        for seq, start, end in self._scratch:
+            if seq == row.seq:
+                break
+            self._retire(seq, start, end)
+        self._drop_scratch()
+        self._length = row.cache_len
+        self._next_logits = row.next_logits
+
+    def _retire(self, seq: int, start: int, end: int) -> None:
+        """Keep the cells of ``seq`` in ``[start, end)`` occupied (by the ballast sequence)."""
+        assert self._ctx is not None
+        self._ctx.share(seq, _BALLAST, start, end)
+        self._ballast += end - start
+
+    def _needs_compaction(self) -> bool:
+        """Ballast costs attention work and cells: rebuild once it outweighs the live prefix."""
+        return self._ballast > max(_COMPACT_AFTER, self._length) or (
+            self._length + self._ballast + _CANDIDATE_ROOM > self._model.n_ctx
+        )
+
+    def _compact(self) -> None:
+        """Start the context afresh with the committed prefix (one batched prefill)."""
+        assert self._ctx is not None
+        self._ctx.reset()
+        self._scratch.clear()
+        self._ballast = 0
+        self._length = 0
+        self._committed_logits = self._next_logits = self._feed(self._prompt_ids + self._resp_ids)
 
     # -- drafting ---------------------------------------------------------------------------
     def _draft_from(self, logits: Any, allowed_first: list[int], max_tokens: int, sampling: SamplingParams) -> Draft:
@@ -878,43 +918,38 @@ class LlamaCppSession(MemberSession):
         work = _Work([], [], [], [])
         plans: list[tuple[int, str, list[int], list[int], int, bool, int, int, int, int]] = []
         for n, text, full, lcp, with_eos in pending:
-            targets = full[lcp:] + ([self._m._eot_id] if with_eos else [])
+            text_ids = full[lcp:]
+            targets = text_ids + ([self._m._eot_id] if with_eos else [])
             extends = lcp == len(self._resp_ids)
+            # a row holds every text token (so that it can become the cache), plus the committed
+            # token it re-reads when it does not extend the committed ids
             start = committed if extends else prompt_len + lcp - 1
-            if extends:
-                row, row_targets = targets[:-1], targets[1:]
-            else:
-                row, row_targets = [committed_ids[start], *targets[:-1]], targets
+            row = text_ids if extends else [committed_ids[start], *text_ids]
+            first_target = 1 if extends else 0  # the row position p predicts targets[p + first_target]
             offset, seq = len(work.tokens), -1
-            text_len = len(full) - lcp
             if row:
                 seq = ctx.take_scratch()
-                self._scratch.append(seq)
+                self._scratch.append((seq, start, start + len(row)))
                 ctx.share(0, seq, 0, start)
                 work.tokens += row
                 work.positions += range(start, start + len(row))
                 work.seqs += [seq] * len(row)
-                work.outputs += row_targets
-                if extends and with_eos and text_len:  # the logits after the text seed the next round
-                    work.full_rows.add(offset + text_len - 1)
-            plans.append((n, text, full, targets, text_len, extends, start, offset, len(row), seq))
+                for p in range(len(row)):
+                    t = p + first_target
+                    work.outputs.append(targets[t] if t < len(targets) else -1)
+                if text_ids:
+                    work.full_rows.add(offset + len(row) - 1)  # the logits after the text seed the next round
+            plans.append((n, text, full, targets, first_target, extends, start, offset, len(row), seq))
         if work.tokens:
             ctx.decode(work)
-        first_block = True
-        for n, text, full, targets, text_len, extends, start, offset, length, seq in plans:
-            stats = [work.stats[offset + p] for p in range(length)]
+        for n, text, full, targets, first_target, extends, start, offset, length, seq in plans:
+            stats = [work.stats[offset + p] for p in range(length) if p + first_target < len(targets)]
             if extends:
                 raw = float(self._committed_logits[targets[0]])
                 stats.insert(0, (raw, raw - head_lse))
             out[n] = mean_score(stats)
-            if seq >= 0:
-                if extends and text not in self._rows:
-                    in_row = min(text_len, length)
-                    last = work.rows.get(offset + text_len - 1)
-                    self._rows[text] = _Row(
-                        seq, full, start, start + in_row, targets[in_row:text_len], last, first_block
-                    )
-                first_block = False
+            if seq >= 0 and length and text not in self._rows and (offset + length - 1) in work.rows:
+                self._rows[text] = _Row(seq, full, start, start + length, work.rows[offset + length - 1])
 
 
 def _logsumexp(np: Any, row: Any) -> float:
