@@ -6,7 +6,7 @@ raw logit and log-prob of every picked token were recorded while drafting.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specem_core.types import Candidate, CandidateScore
@@ -63,3 +63,41 @@ def mean_score(scores: Sequence[tuple[float, float]]) -> CandidateScore:
         mean_logprob=sum(s[1] for s in scores) / len(scores),
         n_tokens=len(scores),
     )
+
+
+Pending = tuple[int, str, list[int], int, bool]
+"""A candidate to score in a forward pass: (index, text, committed+text ids, common prefix with the
+committed ids, whether its end-of-turn token is scored too)."""
+
+
+def plan_scores(
+    candidates: Sequence[Candidate],
+    *,
+    encode: Callable[[str], list[int]],
+    committed_text: str,
+    committed_ids: Sequence[int],
+    draft: DraftState | None,
+    score_eos: bool,
+) -> tuple[list[CandidateScore | None], list[Pending]]:
+    """Which candidates need a forward pass: a session's own draft is scored from its recorded
+    token scores; every other candidate is re-encoded together with the committed text (text is
+    the source of truth) and listed as pending."""
+    out: list[CandidateScore | None] = [None] * len(candidates)
+    pending: list[Pending] = []
+    for n, cand in enumerate(candidates):
+        full = encode(committed_text + cand.text)
+        lcp = common_prefix(committed_ids, full)
+        new_ids = full[lcp:]
+        with_eos = cand.ended and (score_eos or not new_ids)
+        own = (
+            draft.own_score(cand, resp_len=len(committed_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
+            if draft
+            else None
+        )
+        if own is not None:
+            out[n] = own
+            continue
+        if not new_ids and not with_eos:
+            with_eos = True  # nothing to score but the end of turn
+        pending.append((n, cand.text, full, lcp, with_eos))
+    return out, pending

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specem_core.backends._drafts import DraftState, common_prefix, mean_score
+from specem_core.backends._drafts import DraftState, common_prefix, mean_score, plan_scores
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat, JinjaChatTemplate
 from specem_core.errors import ContextWindowError, ModelNotFoundError, SpecEMError
@@ -631,23 +631,14 @@ class LlamaCppSession(MemberSession):
         """Mean raw logit and mean log-prob of each candidate's tokens, all in one decode call."""
         self._ensure_prefilled()
         self._drop_scratch()
-        out: list[CandidateScore | None] = [None] * len(candidates)
-        pending: list[tuple[int, str, list[int], int, bool]] = []
-        draft = self._draft
-        for n, cand in enumerate(candidates):
-            full = self._m.encode_response(self._text + cand.text)
-            lcp = common_prefix(self._resp_ids, full)
-            new_ids = full[lcp:]
-            with_eos = cand.ended and (score_eos or not new_ids)
-            own = None
-            if draft is not None:
-                own = draft.own_score(cand, resp_len=len(self._resp_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
-            if own is not None:
-                out[n] = own
-                continue
-            if not new_ids and not with_eos:
-                with_eos = True  # nothing to score but the end of turn
-            pending.append((n, cand.text, full, lcp, with_eos))
+        out, pending = plan_scores(
+            candidates,
+            encode=self._m.encode_response,
+            committed_text=self._text,
+            committed_ids=self._resp_ids,
+            draft=self._draft,
+            score_eos=score_eos,
+        )
         if pending:
             self._score_pass(pending, out)
         return [s if s is not None else CandidateScore() for s in out]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specem_core.backends._drafts import DraftState, common_prefix
+from specem_core.backends._drafts import DraftState, common_prefix, plan_scores
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat
 from specem_core.errors import ContextWindowError, ModelNotFoundError
@@ -404,23 +404,14 @@ class TransformersSession(MemberSession):
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         """Mean raw logit and mean log-prob of each candidate's tokens (see the module docstring)."""
         torch = self._torch
-        out: list[CandidateScore | None] = [None] * len(candidates)
-        pending: list[tuple[int, str, list[int], int, bool]] = []
-        draft = self._draft
-        for n, cand in enumerate(candidates):
-            full = self._m.encode_response(self._text + cand.text)
-            lcp = common_prefix(self._resp_ids, full)
-            new_ids = full[lcp:]
-            with_eos = cand.ended and (score_eos or not new_ids)
-            own = None
-            if draft is not None:
-                own = draft.own_score(cand, resp_len=len(self._resp_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
-            if own is not None:
-                out[n] = own
-                continue
-            if not new_ids and not with_eos:
-                with_eos = True  # nothing to score but the end of turn
-            pending.append((n, cand.text, full, lcp, with_eos))
+        out, pending = plan_scores(
+            candidates,
+            encode=self._m.encode_response,
+            committed_text=self._text,
+            committed_ids=self._resp_ids,
+            draft=self._draft,
+            score_eos=score_eos,
+        )
         self._pass = None
         if pending:
             self._ensure_prefilled()
