@@ -102,7 +102,8 @@ class Member(Protocol):
         ...
 
     def open(self, request: SessionRequest) -> MemberSession:
-        """Start a request: render and encode the prompt (and prefill, for local models).
+        """Start a request: render and encode the prompt and check that it fits; no model work
+        (local members prefill on first use), so a too-long prompt fails before any member computes.
 
         Raises:
             ContextWindowError: the prompt does not fit.
