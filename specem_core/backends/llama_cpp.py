@@ -282,6 +282,7 @@ class LlamaCppModel:
         self.eos_id = int(lib.llama_vocab_eos(self._vocab))
         self.eot_id = int(lib.llama_vocab_eot(self._vocab))
         self._pieces: list[bytes] | None = None
+        self._texts: list[str] | None = None
         self._attrs: list[int] | None = None
         self._eog: frozenset[int] | None = None
         # one context up front: it fails here, not in the first request, when memory is short
@@ -380,6 +381,19 @@ class LlamaCppModel:
             self._pieces = pieces
         return self._pieces
 
+    def piece_texts(self) -> list[str]:
+        """Each token's bytes as text ('' where they are not whole UTF-8 characters); computed once
+        per model, shared by its members (token healing)."""
+        if self._texts is None:
+            texts = []
+            for piece in self._all_pieces():
+                try:
+                    texts.append(piece.decode("utf-8"))
+                except UnicodeDecodeError:
+                    texts.append("")
+            self._texts = texts
+        return self._texts
+
     def token_attrs(self) -> list[int]:
         """``llama_token_attr`` flags of every token."""
         if self._attrs is None:
@@ -457,7 +471,6 @@ class LlamaCppMember:
             t for t, attr in enumerate(model.token_attrs()) if attr & control and t not in self.stop_ids
         )
         self._extending: dict[str, list[int]] = {}
-        self._texts: list[str] | None = None
         self._concatenates: bool | None = None
 
     @classmethod
@@ -535,15 +548,7 @@ class LlamaCppMember:
         return self._concatenates
 
     def _token_texts(self) -> list[str]:
-        if self._texts is None:
-            texts = []
-            for t in range(self.model.n_vocab):
-                try:
-                    texts.append(self.model.piece(t).decode("utf-8"))
-                except UnicodeDecodeError:
-                    texts.append("")
-            self._texts = texts
-        return self._texts
+        return self.model.piece_texts()
 
     def _find_end_of_turn(self) -> int:
         after = self.chat.end_of_turn_text()
