@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -32,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EVAL_DIR = Path(os.environ.get("SPECEM_EVAL_DIR", ROOT.parent / "shared" / "eval"))
 RESULTS = ROOT / "benchmarks" / "results" / "quality"
 
+Q15, Q05, SMOL = "llamacpp:qwen2.5-coder-1.5b", "llamacpp:qwen2.5-coder", "llamacpp:smollm2"
+V2: dict[str, Any] = {"normalization": "softmax", "model_exit": True, "exit_temperature": 0.2}
 CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
@@ -48,21 +52,33 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "healing": {"members": ["smollm2", "qwen2.5-coder"], "config": {"token_healing": True}},
     # diagnosis: both draft, only Qwen votes (is the weaker member's vote what costs quality?)
     "qwen-votes": {"members": ["qwen2.5-coder"], "draft_only": ["smollm2"], "config": {}},
+    # quality v2 (issue 13): three members on llama.cpp, one of them 1.5B
+    "1.5b": {"members": [Q15], "config": {}},
+    "0.5b": {"members": [Q05], "config": {}},
+    "smol": {"members": [SMOL], "config": {}},
+    "trio-paper": {"members": [Q15, Q05, SMOL], "config": {}},
+    # v2: scale-free rows (softmax), weights from a prior calibrated on the other task and learned
+    # across requests, Model Exit sharp enough to act on softmax-scale votes
+    "trio-v2": {"members": [Q15, Q05, SMOL], "config": V2, "weights": {"prior": "calibrated", "learning_rate": 1.0}},
+    "pair-v2": {"members": [Q15, Q05], "config": V2, "weights": {"prior": "calibrated", "learning_rate": 1.0}},
 }
-TASKS = {"ifeval": 64, "arc": 12}
-"""Task -> max_new_tokens (IFEval: one configuration over 120 prompts stays under 30 minutes)."""
+TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
+"""Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""
 ARC_SUFFIX = "\nAnswer with the letter of the correct option only."
+GSM8K_SUFFIX = "\nSolve step by step, then give the final answer as a number on the last line."
+DATA_FILES = {"ifeval": "ifeval_dev.jsonl", "arc": "arc_easy_dev.jsonl", "gsm8k": "gsm8k_dev.jsonl"}
 
 
 def load_rows(task: str, limit: int | None) -> list[dict[str, Any]]:
-    name = "ifeval_dev.jsonl" if task == "ifeval" else "arc_easy_dev.jsonl"
-    rows = [json.loads(line) for line in (EVAL_DIR / name).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (EVAL_DIR / DATA_FILES[task]).read_text().splitlines() if line.strip()]
     return rows[:limit] if limit else rows
 
 
 def prompt_of(task: str, row: dict[str, Any]) -> tuple[str, str]:
     if task == "ifeval":
         return str(row["key"]), str(row["prompt"])
+    if task == "gsm8k":
+        return str(row["id"]), f"{row['question']}{GSM8K_SUFFIX}"
     options = "\n".join(
         f"{lab}. {txt}" for lab, txt in zip(row["choices"]["label"], row["choices"]["text"], strict=True)
     )
@@ -75,15 +91,43 @@ def answered(path: Path) -> set[str]:
     return {str(json.loads(line)["key"]) for line in path.read_text().splitlines() if line.strip()}
 
 
-def build_engine(name: str) -> Any:
+CALIBRATION = {"gsm8k": ("ifeval", "prompt_level_strict"), "ifeval": ("gsm8k", "accuracy")}
+"""Task -> (task whose members-alone results give the weight prior, its metric): a prior never
+comes from the prompts it is evaluated on."""
+ALONE = {Q15: "1.5b", Q05: "0.5b", SMOL: "smol"}
+"""Member spec -> the configuration that runs it alone."""
+
+
+def calibrated_prior(task: str, member_specs: Sequence[str], names: Sequence[str]) -> dict[str, float]:
+    """Prior weight per member name: 1 + its score alone (in %) on the calibration task."""
+    other, metric = CALIBRATION[task]
+    prior = {}
+    for spec, name in zip(member_specs, names, strict=True):
+        recs = records(other, ALONE[spec])
+        if not recs:
+            raise SystemExit(f"calibration needs {ALONE[spec]!r} run alone on {other} first")
+        prior[name] = 1.0 + measure(other, recs)[metric]
+    return prior
+
+
+def build_engine(name: str, task: str = "") -> Any:
     from specem_core import SpecEM, SpecEMConfig
     from specem_core.registry import load_member
+    from specem_core.weights import MemberWeights
 
     spec = CONFIGS[name]
     members = [load_member(m) for m in spec["members"]]
     members += [load_member(v, can_draft=False) for v in spec.get("verifiers", [])]
     members += [load_member(d, can_verify=False) for d in spec.get("draft_only", [])]
-    return SpecEM(members, SpecEMConfig(**spec["config"]))
+    weights = None
+    if "weights" in spec:
+        options = dict(spec["weights"])
+        prior = options.pop("prior", None)
+        if prior == "calibrated":
+            prior = calibrated_prior(task, spec["members"], [m.name for m in members[: len(spec["members"])]])
+        saved = RESULTS / task / f"{name}.weights.json"
+        weights = MemberWeights.load(saved) if saved.exists() else MemberWeights(prior, **options)
+    return SpecEM(members, SpecEMConfig(**spec["config"]), weights=weights)
 
 
 def progress(items: list[Any], desc: str) -> Iterator[Any]:
@@ -105,7 +149,7 @@ def run(task: str, configs: list[str], limit: int | None, seed: int) -> None:
         todo = [r for r in rows if prompt_of(task, r)[0] not in done]
         if not todo:
             continue
-        engine = build_engine(name)
+        engine = build_engine(name, task)
         with out.open("a") as fh:
             for row in progress(todo, f"{task}/{name}"):
                 key, prompt = prompt_of(task, row)
@@ -119,19 +163,27 @@ def run(task: str, configs: list[str], limit: int | None, seed: int) -> None:
                     "drafters_per_round": sum(result.members_per_round) / max(len(result.segments), 1),
                     "wins": result.wins,
                     "finish_reason": result.finish_reason,
-                    "trace": [
-                        {
-                            "winner": seg.winner,
-                            "drafters": seg.drafters,
-                            "distinct": len({c.text for c in seg.candidates}),
-                            "combined": [round(x, 4) for x in seg.combined],
-                            "weights": [round(x, 4) for x in seg.weights],
-                        }
-                        for seg in result.segments
-                    ],
+                    "trace": [trace_round(seg) for seg in result.segments],
                 }
+                if engine.weights is not None:  # learned across requests: keep them with the answers
+                    record["weights_after"] = engine.weights.current()
+                    engine.weights.save(RESULTS / task / f"{name}.weights.json")
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")
                 fh.flush()
+
+
+def trace_round(seg: Any) -> dict[str, Any]:
+    """One round as recorded: who drafted what, every verifier's raw scores, weights, the vote."""
+    return {
+        "winner": seg.winner,
+        "drafters": seg.drafters,
+        "distinct": len({c.text for c in seg.candidates}),
+        "candidates": [[c.member, c.text, c.ended] for c in seg.candidates],
+        "verifiers": seg.verifiers,
+        "raw": [[round(x, 4) for x in row] for row in seg.raw_scores],
+        "combined": [round(x, 4) for x in seg.combined],
+        "weights": [round(x, 4) for x in seg.weights],
+    }
 
 
 def arc_letter(reply: str, labels: Sequence[str] = ("A", "B", "C", "D", "E")) -> str | None:
@@ -146,6 +198,25 @@ def arc_letter(reply: str, labels: Sequence[str] = ("A", "B", "C", "D", "E")) ->
         return m.group(1).upper()
     m = re.search(rf"\b({alts})\b", text)
     return m.group(1) if m else None
+
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(reply: str) -> float | None:
+    """The last number in a reply ("... is $1,250." -> 1250.0); None when it names none."""
+    found = _NUMBER.findall(reply)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", "").replace("$", ""))
+    except ValueError:
+        return None
+
+
+def gsm8k_correct(reply: str, final: str) -> bool:
+    value = last_number(reply)
+    return value is not None and abs(value - float(final.replace(",", ""))) < 1e-6
 
 
 def score_ifeval(path: Path) -> dict[str, float] | None:
@@ -184,6 +255,10 @@ def measure(task: str, recs: list[dict[str, Any]]) -> dict[str, float]:
         scores = score_ifeval(Path(fh.name)) or {}
         os.unlink(fh.name)
         out.update({k: 100 * scores[k] for k in IFEVAL_KEYS if k in scores})
+    elif task == "gsm8k":
+        rows = {row["id"]: row for row in load_rows("gsm8k", None)}
+        out["accuracy"] = 100 * sum(gsm8k_correct(r["response"], rows[r["key"]]["final"]) for r in recs) / len(recs)
+        out["cut"] = 100 * sum(r["finish_reason"] == "length" for r in recs) / len(recs)
     else:
         rows = {row["id"]: row for row in load_rows("arc", None)}
         picks = [(arc_letter(r["response"], rows[r["key"]]["choices"]["label"]), rows[r["key"]]) for r in recs]
@@ -210,23 +285,32 @@ def _cell(value: float | None, fmt: str = "{:.1f}") -> str:
 
 def table(task: str, figures: dict[str, dict[str, float]]) -> str:
     if task == "ifeval":
-        head = (
-            "| configuration | n | prompt strict | prompt loose | instr. strict | instr. loose "
-            "| s / prompt | drafters / round | Qwen's share of wins |"
-        )
+        head = "| configuration | n | prompt strict | prompt loose | instr. strict | instr. loose "
         keys: tuple[str, ...] = IFEVAL_KEYS
+    elif task == "gsm8k":
+        head = "| configuration | n | accuracy | cut at the cap "
+        keys = ("accuracy", "cut")
     else:
-        head = (
-            "| configuration | n | accuracy | no letter named | s / prompt | drafters / round | Qwen's share of wins |"
-        )
+        head = "| configuration | n | accuracy | no letter named "
         keys = ("accuracy", "no_letter")
+    head += "| s / prompt | drafters / round | share of wins |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, f in figures.items():
-        qwen = next((v for k, v in f.items() if k.startswith("wins:qwen")), None)
+        shares = [(k.split(":", 1)[1], v) for k, v in f.items() if k.startswith("wins:")]
+        ordered = sorted(shares, key=lambda x: -x[1])
+        share = ", ".join(f"{_short(m)} {v:.0f}%" for m, v in ordered) if len(shares) > 1 else "–"
         cells = [name, str(int(f["n"]))] + [_cell(f.get(k)) for k in keys]
-        cells += [_cell(f.get("seconds")), _cell(f.get("drafters"), "{:.2f}"), _cell(qwen, "{:.0f}%")]
+        cells += [_cell(f.get("seconds")), _cell(f.get("drafters"), "{:.2f}"), share]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _short(member: str) -> str:
+    """Short member names for tables: qwen2.5-coder-1.5b-instruct -> 1.5b, smollm2-135m-instruct -> smol."""
+    if member.startswith("smollm2"):
+        return "smol"
+    m = re.search(r"(\d+(?:\.\d+)?b)-instruct$", member)
+    return m.group(1) if m else member
 
 
 def report() -> str:
@@ -234,6 +318,7 @@ def report() -> str:
     sections = []
     figures_for_plot: dict[str, dict[str, dict[str, float]]] = {}
     for task, title in (
+        ("gsm8k", f"GSM8K dev ({TASKS['gsm8k']} new tokens)"),
         ("ifeval", f"IFEval ({TASKS['ifeval']} new tokens)"),
         ("arc", f"ARC-Easy ({TASKS['arc']} new tokens)"),
     ):
@@ -247,18 +332,53 @@ def report() -> str:
             figs = {name: measure(task, recs) for name, recs in complete.items()}
             sections.append(f"### {title}: all {full} prompts\n\n" + table(task, figs))
             figures_for_plot[task] = figs
-        shared = min(len(recs) for recs in all_recs.values())
-        if len(complete) < len(all_recs) and shared:
-            figs = {name: measure(task, first_rows(task, recs, shared)) for name, recs in all_recs.items()}
-            sections.append(f"### {title}: first {shared} prompts, every configuration\n\n" + table(task, figs))
+        # one table per run length: the configurations that ran at least the first n prompts
+        lengths = sorted({len(recs) for recs in all_recs.values() if len(recs) < full}, reverse=True)
+        for n in lengths:
+            group = {name: recs for name, recs in all_recs.items() if len(recs) >= n}
+            if len(group) < 2 and n != lengths[-1]:
+                continue
+            figs = {name: measure(task, first_rows(task, recs, n)) for name, recs in group.items()}
+            who = "every configuration" if len(group) == len(all_recs) else "the configurations that ran them"
+            sections.append(f"### {title}: first {n} prompts, {who}\n\n" + table(task, figs))
             figures_for_plot.setdefault(task, figs)
-            figures_for_plot[task + "-subset"] = figs
+            figures_for_plot.setdefault(task + "-subset", figs)
+    learned = weights_table()
+    if learned:
+        sections.append(learned)
     text = "\n\n".join(sections)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.md").write_text(text + "\n")
     (RESULTS / "summary.json").write_text(json.dumps(figures_for_plot, indent=1) + "\n")
     plot(figures_for_plot)
     return text
+
+
+def weights_table() -> str:
+    """Where the weights learned across requests started (the prior), where they ended, and after
+    how many requests they stopped moving by more than 0.02."""
+    from specem_core.weights import MemberWeights
+
+    lines = []
+    for task in TASKS:
+        for path in sorted((RESULTS / task).glob("*.weights.json")) if (RESULTS / task).is_dir() else []:
+            state = MemberWeights.load(path)
+            names = sorted(state.current())
+            prior = MemberWeights(state.prior, learning_rate=0.0).start(names)
+            final = state.current()
+            cells = [
+                task,
+                path.name.removesuffix(".weights.json"),
+                ", ".join(f"{_short(n)} {w:.2f}" for n, w in zip(names, prior, strict=True)),
+                ", ".join(f"{_short(n)} {final[n]:.2f}" for n in names),
+                str(state.requests),
+                str(state.settled_after() or "–"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = "| task | configuration | prior weights | learned weights | requests with a vote | settled after |"
+    return "### Verifier weights learned across requests\n\n" + "\n".join([head, "|---|---|---|---|---|---|", *lines])
 
 
 def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
@@ -305,6 +425,9 @@ def passes(task: str, recs: list[dict[str, Any]]) -> dict[str, bool]:
     """Per key: IFEval prompt-level strict pass, or ARC answer correct."""
     if task == "ifeval":
         return ifeval_passes(recs)
+    if task == "gsm8k":
+        finals = {row["id"]: row["final"] for row in load_rows("gsm8k", None)}
+        return {str(r["key"]): gsm8k_correct(r["response"], finals[r["key"]]) for r in recs}
     rows = {row["id"]: row for row in load_rows("arc", None)}
     return {
         str(r["key"]): arc_letter(r["response"], rows[r["key"]]["choices"]["label"]) == rows[r["key"]]["answerKey"]
@@ -312,26 +435,65 @@ def passes(task: str, recs: list[dict[str, Any]]) -> dict[str, bool]:
     }
 
 
-def analyze(against: str) -> str:
-    """Why a configuration wins or loses against one member: per-prompt gains and losses, how
-    often the candidates were all the same (nothing to choose), how close the votes were, and who won."""
+def sign_test(gains: int, losses: int) -> float:
+    """Two-sided exact sign test on the discordant pairs (ties dropped): P(as extreme | p = 1/2)."""
+    n = gains + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(gains, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def bootstrap_ci(diffs: Sequence[int], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean paired difference (in points)."""
+    if not diffs:
+        return (0.0, 0.0)
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(100 * sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
+def analyze(against: str | None = None) -> str:
+    """Per configuration and task, paired against one member alone (default: the member alone
+    that scores best on that configuration's prompts): per-prompt gains and losses, a sign test and a
+    bootstrap CI of the difference, how often candidates were all the same (nothing to choose),
+    how close the votes were, and who won."""
     lines = [
-        f"| task | configuration | n | gains vs {against} | losses vs {against} | same answer as {against} "
-        "| rounds with one distinct candidate | median vote margin | Qwen's share of wins |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | configuration | n | vs | score | theirs | gains | losses | sign test p | 95% CI of diff "
+        "| same answer | rounds with one distinct candidate | median vote margin | share of wins |",
+        "|" + "---|" * 14,
     ]
-    for task in ("ifeval", "arc"):
-        base = {str(r["key"]): r for r in records(task, against)}
-        if not base:
+    alone = [name for name, spec in CONFIGS.items() if len(spec["members"]) == 1 and not spec.get("draft_only")]
+    for task in ("gsm8k", "ifeval", "arc"):
+        available = {name: records(task, name) for name in CONFIGS}
+        available = {name: recs for name, recs in available.items() if recs}
+        if not available:
             continue
-        theirs = passes(task, list(base.values()))  # scored once per task, not once per configuration
-        for name in CONFIGS:
-            recs = [r for r in records(task, name) if str(r["key"]) in base]
-            if name == against or not recs or CONFIGS[name] == CONFIGS[against]:
+        pass_of = {name: passes(task, recs) for name, recs in available.items()}
+        singles = [n for n in alone if n in pass_of]
+        for name, recs in available.items():
+            keys_all = {str(r["key"]) for r in recs}
+            ref = against
+            if ref is None:  # the best member alone on this configuration's prompts
+                if name in singles:
+                    continue
+                covering = [n for n in singles if keys_all <= set(pass_of[n])]
+                if not covering:
+                    continue
+                ref = max(covering, key=lambda n: sum(pass_of[n][k] for k in keys_all))
+            if ref not in available or name == ref or CONFIGS[name] == CONFIGS[ref]:
                 continue
-            ours = passes(task, recs)
-            gains = sum(ours[k] and not theirs[k] for k in ours)
-            losses = sum(theirs[k] and not ours[k] for k in ours)
+            base = {str(r["key"]): r for r in available[ref]}
+            theirs = pass_of[ref]
+            recs = [r for r in recs if str(r["key"]) in base]
+            if not recs:
+                continue
+            ours = pass_of[name]
+            keys = [str(r["key"]) for r in recs]
+            gains = sum(ours[k] and not theirs[k] for k in keys)
+            losses = sum(theirs[k] and not ours[k] for k in keys)
+            low, high = bootstrap_ci([int(ours[k]) - int(theirs[k]) for k in keys])
             same = sum(r["response"].strip() == base[str(r["key"])]["response"].strip() for r in recs)
             rounds = [t for r in recs for t in r.get("trace", [])]
             one = sum(t["distinct"] == 1 for t in rounds)
@@ -344,17 +506,132 @@ def analyze(against: str) -> str:
             for r in recs:
                 for member, count in r["wins"].items():
                     wins[member] = wins.get(member, 0) + count
-            qwen = 100 * sum(v for k, v in wins.items() if k.startswith("qwen")) / max(sum(wins.values()), 1)
+            total = max(sum(wins.values()), 1)
+            ordered = sorted(wins.items(), key=lambda x: -x[1])
+            share = ", ".join(f"{_short(m)} {100 * v / total:.0f}%" for m, v in ordered)
             cells = [
-                task, name, str(len(recs)), str(gains), str(losses), f"{100 * same / len(recs):.0f}%",
+                task, name, str(len(recs)), ref,
+                f"{100 * sum(ours[k] for k in keys) / len(keys):.1f}",
+                f"{100 * sum(theirs[k] for k in keys) / len(keys):.1f}",
+                str(gains), str(losses), f"{sign_test(gains, losses):.2f}", f"[{low:+.1f}, {high:+.1f}]",
+                f"{100 * same / len(recs):.0f}%",
                 f"{100 * one / len(rounds):.0f}%" if rounds else "–",
                 f"{margins[len(margins) // 2]:.3f}" if margins else "–",
-                f"{qwen:.0f}%",
+                share if len(wins) > 1 else "–",
             ]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     (RESULTS / "analysis.md").write_text(text + "\n")
     return text
+
+
+def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:
+    """Time per answer of a configuration against one member alone, side by side in one process
+    (alternating prompt by prompt, so both see the same machine), on the first ``limit`` prompts.
+    The configuration starts from the weights its quality run learned (read, not updated)."""
+    from specem_core.weights import MemberWeights
+
+    engines = {}
+    for config in (against, name):
+        engine = build_engine(config, task)
+        saved = RESULTS / task / f"{config}.weights.json"
+        if saved.exists() and engine.weights is not None:
+            engine._weights = MemberWeights.load(saved)  # a copy: timing runs teach nothing
+        engines[config] = engine
+    rows = []
+    for row in load_rows(task, limit):
+        key, prompt = prompt_of(task, row)
+        entry: dict[str, Any] = {"key": key}
+        for config, engine in engines.items():
+            start = time.perf_counter()
+            result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=TASKS[task], seed=seed)
+            entry[config] = {
+                "seconds": time.perf_counter() - start,
+                "tokens": result.usage.completion_tokens,
+                "drafters_per_round": sum(result.members_per_round) / max(len(result.segments), 1),
+            }
+        rows.append(entry)
+        print(key, {c: round(entry[c]["seconds"], 1) for c in engines}, file=sys.stderr)
+    total = {c: sum(r[c]["seconds"] for r in rows) for c in engines}
+    tokens = {c: sum(r[c]["tokens"] for r in rows) for c in engines}
+    out = {
+        "task": task,
+        "configuration": name,
+        "against": against,
+        "prompts": len(rows),
+        "seconds_per_answer": {c: total[c] / len(rows) for c in engines},
+        "seconds_per_token": {c: total[c] / max(tokens[c], 1) for c in engines},
+        "ratio_per_answer": total[name] / total[against],
+        "ratio_per_token": (total[name] / max(tokens[name], 1)) / (total[against] / max(tokens[against], 1)),
+        "rows": rows,
+    }
+    (RESULTS / task / f"cost_{name}_vs_{against}.json").write_text(json.dumps(out, indent=1) + "\n")
+    return (
+        f"{task}, first {len(rows)} prompts: {name} {out['seconds_per_answer'][name]:.1f} s/answer, "
+        f"{against} alone {out['seconds_per_answer'][against]:.1f} s/answer: ratio {out['ratio_per_answer']:.2f} "
+        f"per answer, {out['ratio_per_token']:.2f} per committed token"
+    )
+
+
+def explain(task: str, name: str) -> str:
+    """Replay the recorded rounds of one configuration: how often each verifier ranks its own
+    candidate first (self-preference), whose candidate each vote rule would pick on the same
+    candidates and scores (paper vote, leave-self-out, one verifier alone), and the vote margins."""
+    from specem_core.engine import combine_leave_self_out
+    from specem_core.scoring import argmax_first, combine, normalize_row
+    from specem_core.types import Candidate
+
+    recs = records(task, name)
+    rounds = [t for r in recs for t in r.get("trace", []) if t.get("raw") and t["distinct"] > 1]
+    if not rounds:
+        return f"{task}/{name}: no contested round recorded"
+    self_top: dict[str, list[int]] = {}
+    picks: dict[str, dict[str, int]] = {}
+    agree = 0  # rounds where leave-self-out picks the paper vote's candidate text
+    for t in rounds:
+        owners_by_name = [c[0] for c in t["candidates"]]
+        texts = [(c[1], c[2]) for c in t["candidates"]]
+        members = list(dict.fromkeys(t["verifiers"] + owners_by_name))
+        index = {m: n for n, m in enumerate(members)}
+        verifiers = [index[v] for v in t["verifiers"]]
+        owners = [index[o] for o in owners_by_name]
+        cands = [Candidate(o, x, e) for o, (x, e) in zip(owners_by_name, texts, strict=True)]
+        normalized = [normalize_row(row, "sum") for row in t["raw"]]
+        for v, row in zip(t["verifiers"], t["raw"], strict=True):
+            own = [n for n, o in enumerate(owners_by_name) if o == v]
+            if own and len(set(texts)) > 1:
+                top = argmax_first(row)
+                self_top.setdefault(v, []).append(int(texts[top] == texts[own[0]]))
+        uniform = [1.0 / len(verifiers)] * len(verifiers)
+        paper = argmax_first(combine(normalized, uniform))
+        leave = argmax_first(combine_leave_self_out(normalized, uniform, verifiers, owners, cands))
+        agree += texts[paper] == texts[leave]
+        rules = {
+            "recorded": t["winner"],
+            "paper vote (uniform)": owners_by_name[paper],
+            "leave-self-out (uniform)": owners_by_name[leave],
+        }
+        for v, row in zip(t["verifiers"], t["raw"], strict=True):
+            rules[f"{_short(v)} alone"] = owners_by_name[argmax_first(row)]
+        for rule, owner in rules.items():
+            bucket = picks.setdefault(rule, {})
+            bucket[owner] = bucket.get(owner, 0) + 1
+    lines = [f"### {task} / {name}: {len(rounds)} contested rounds over {len(recs)} answers", ""]
+    lines.append("| verifier | ranks its own candidate first |")
+    lines.append("|---|---|")
+    for v, hits in self_top.items():
+        lines.append(f"| {_short(v)} | {100 * sum(hits) / len(hits):.0f}% of {len(hits)} rounds |")
+    owners_all = sorted({o for b in picks.values() for o in b})
+    lines += [
+        "",
+        "| vote rule (same candidates and scores) | " + " | ".join(f"{_short(o)} wins" for o in owners_all) + " |",
+    ]
+    lines.append("|---|" + "---|" * len(owners_all))
+    for rule, bucket in picks.items():
+        cells = [f"{100 * bucket.get(o, 0) / len(rounds):.0f}%" for o in owners_all]
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    lines += ["", f"Leave-self-out picks the paper vote's candidate in {100 * agree / len(rounds):.0f}% of the rounds."]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -367,7 +644,15 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     sub.add_parser("report")
     a = sub.add_parser("analyze", help="per-prompt gains/losses against one member, ties, vote margins")
-    a.add_argument("--against", default="qwen", choices=sorted(CONFIGS))
+    a.add_argument("--against", default=None, choices=sorted(CONFIGS), help="default: the best member alone per task")
+    e = sub.add_parser("explain", help="replay recorded rounds: self-preference and what other vote rules pick")
+    e.add_argument("task", choices=sorted(TASKS))
+    e.add_argument("config", choices=sorted(CONFIGS))
+    c = sub.add_parser("cost", help="time per answer against one member alone, side by side in one run")
+    c.add_argument("task", choices=sorted(TASKS))
+    c.add_argument("config", choices=sorted(CONFIGS))
+    c.add_argument("--against", required=True, choices=sorted(CONFIGS))
+    c.add_argument("--limit", type=int, default=10)
     args = parser.parse_args()
     if args.command == "run":
         names = list(CONFIGS) if args.configs == ["all"] else args.configs
@@ -377,6 +662,10 @@ def main() -> None:
         run(args.task, names, args.limit, args.seed)
     elif args.command == "analyze":
         print(analyze(args.against))
+    elif args.command == "cost":
+        print(cost(args.task, args.config, args.against, args.limit))
+    elif args.command == "explain":
+        print(explain(args.task, args.config))
     else:
         print(report())
 

@@ -153,6 +153,34 @@ BENCHMARKS = [
         "plot = root / 'benchmarks' / 'results' / 'quality' / 'quality.png'\n"
         "Image(filename=str(plot), width=900) if plot.exists() else print('no quality plot yet')"
     ),
+    new_markdown_cell(
+        "Paired against the best member alone on each task (`python benchmarks/quality.py analyze`): per-prompt "
+        "gains and losses, an exact sign test, a bootstrap 95% interval of the difference in points, and why the "
+        "votes went as they did (rounds with nothing to choose, vote margins, who won)."
+    ),
+    new_code_cell(
+        "analysis = root / 'benchmarks' / 'results' / 'quality' / 'analysis.md'\n"
+        "Markdown(analysis.read_text()) if analysis.exists() else print('no paired analysis yet')"
+    ),
+    new_markdown_cell(
+        "How the verifier weights learned across requests moved, request by request "
+        "(`benchmarks/results/quality/<task>/<config>.weights.json`, the `MemberWeights` state the run saved)."
+    ),
+    new_code_cell(
+        "from specem_core.weights import MemberWeights\n\n"
+        "states = sorted((root / 'benchmarks' / 'results' / 'quality').glob('*/*.weights.json'))\n"
+        "if states:\n"
+        "    fig, axes = plt.subplots(1, len(states), figsize=(4 * len(states), 2.8), squeeze=False)\n"
+        "    for ax, path in zip(axes[0], states):\n"
+        "        state = MemberWeights.load(path)\n"
+        "        for name in sorted(state.current()):\n"
+        "            ax.plot([h.get(name, 0.0) for h in state.history], label=name.split('-instruct')[0])\n"
+        "        ax.set_title(f'{path.parent.name} / {path.name.split(\".\")[0]}', fontsize=9)\n"
+        "        ax.set_xlabel('request'); ax.set_ylim(0, 1)\n"
+        "    axes[0][0].set_ylabel('weight'); axes[0][0].legend(fontsize=7); fig.tight_layout(); plt.show()\n"
+        "else:\n"
+        "    print('no learned weights recorded yet')"
+    ),
 ]
 
 

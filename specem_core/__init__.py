@@ -33,6 +33,7 @@ from specem_core.types import (
     ToolCall,
     Usage,
 )
+from specem_core.weights import MemberWeights
 
 if TYPE_CHECKING:
     from specem_core.backends.http.judge import APIJudgeMember
@@ -58,6 +59,7 @@ __all__ = [
     "MemberError",
     "MemberSession",
     "MemberUsage",
+    "MemberWeights",
     "ModelNotFoundError",
     "OpenAIHTTPMember",
     "SamplingParams",

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
     chat.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
     chat.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    chat.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
     chat.add_argument(
         "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
     )
@@ -123,11 +124,27 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
     serve.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
     serve.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    serve.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
     serve.add_argument("--token-healing", action="store_true", help="drafters redraw the last committed token")
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
     )
     serve.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+
+
+_WEIGHTS_HELP = (
+    "learn verifier weights across requests in this JSON state file (loaded if it exists, created "
+    "otherwise, saved after each request); default: the paper's per-request weights"
+)
+
+
+def _weights(args: argparse.Namespace) -> Any:
+    """The learned-weights state named by ``--weights`` (checked before any model loads)."""
+    if not args.weights:
+        return None
+    from specem_core.weights import MemberWeights
+
+    return MemberWeights.open(args.weights)
 
 
 def _config(args: argparse.Namespace) -> SpecEMConfig:
@@ -191,8 +208,9 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     messages = [{"role": "user", "content": prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
+    weights = _weights(args)
     members = _load_members(args, err, api_key_env=args.api_key_env)
-    engine = SpecEM(members, config)
+    engine = SpecEM(members, config, weights=weights)
     if args.json:
         full = engine.generate(messages)
         out.write(json.dumps(full.to_dict(), ensure_ascii=False, indent=2) + "\n")
@@ -286,6 +304,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
     if not args.served_model_name.strip():
         raise SpecEMError("--served-model-name must not be empty")
+    weights = _weights(args)
     api_key: str | None = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env, "").strip()
@@ -298,7 +317,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
 
         members = _load_members(args, err, api_key_env=args.member_api_key_env)
-        engine = SpecEM(members, config)
+        engine = SpecEM(members, config, weights=weights)
         app = create_app(
             engine,
             api_key=api_key,

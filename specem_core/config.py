@@ -15,6 +15,7 @@ Scoring = Literal["mean_logit", "mean_logprob"]
 Normalization = Literal["sum", "softmax"]
 NonPositiveRule = Literal["softmax", "raw"]
 HedgeDecay = Literal["sqrt", "inverse"]
+SelfVote = Literal["keep", "exclude"]
 
 _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "scoring": "mean_logit",
@@ -24,6 +25,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "eos_voting": False,
     "model_exit": False,
     "token_healing": False,
+    "self_vote": "keep",
 }
 
 
@@ -79,6 +81,10 @@ class SpecEMConfig:
     """Base learning rate η0 (the authors' ``--learn_rate 5`` is 0.5)."""
     hedge_decay: HedgeDecay = "sqrt"
     """η_k = η0·sqrt(1/N)/sqrt(k) (``sqrt``, paper) or η0·sqrt(1/N)/k (``inverse``, authors' code)."""
+    self_vote: SelfVote = "keep"
+    """``keep``: every verifier votes on every candidate (paper). ``exclude``: leave-self-out, a
+    verifier's vote does not count for its own candidate (each rates its own draft highest: it was
+    drafted greedily under its own distribution)."""
     model_exit: bool = False
     """Model Exit (our design): stop drafting with members that keep losing."""
     exit_temperature: float = 1.0
@@ -133,6 +139,7 @@ class SpecEMConfig:
         _choice("normalization", self.normalization, ("sum", "softmax"))
         _choice("nonpositive_rule", self.nonpositive_rule, ("softmax", "raw"))
         _choice("hedge_decay", self.hedge_decay, ("sqrt", "inverse"))
+        _choice("self_vote", self.self_vote, ("keep", "exclude"))
         for n, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ from specem_core.types import (
     check_unicode,
     validate_messages,
 )
+from specem_core.weights import MemberWeights
 
 T = TypeVar("T")
 
@@ -70,12 +72,20 @@ class SpecEM:
 
     The engine is safe to share between threads: members hold only read-only weights and every
     request gets its own sessions.
+
+    Verifier weights learned across requests are opt-in: pass ``weights=MemberWeights(...)``, or
+    the path of a JSON state file (loaded when it exists, created otherwise, saved after every
+    request), and every request starts from what earlier requests taught it, then adds its own
+    Hedge rewards (:mod:`specem_core.weights`). ``faithful=True`` requests
+    keep the paper's per-request rule and neither read nor update it.
     """
 
     def __init__(
         self,
         members: Sequence[Member],
         config: SpecEMConfig | None = None,
+        *,
+        weights: MemberWeights | str | os.PathLike[str] | None = None,
         **config_overrides: Any,
     ) -> None:
         members = list(members)
@@ -91,6 +101,14 @@ class SpecEM:
             raise ConfigError("several drafters but no verifier: set can_verify=True on a member")
         self._members = members
         self._config = (config or SpecEMConfig()).replace(**config_overrides)
+        if weights is not None and not isinstance(weights, MemberWeights):
+            weights = MemberWeights.open(weights)
+        self._weights = weights
+
+    @property
+    def weights(self) -> MemberWeights | None:
+        """The verifier weights shared across requests (``None``: the paper's per-request rule)."""
+        return self._weights
 
     @property
     def members(self) -> list[Member]:
@@ -203,8 +221,9 @@ class SpecEM:
         plan = OutputPlan.build(
             tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls, answering=answering
         )
+        learned = None if config.faithful else self._weights
         if plan is None:
-            return _Run(self._members, config, msgs, tools, constraint), None
+            return _Run(self._members, config, msgs, tools, constraint, learned=learned), None
         if plan.stop:
             config = config.replace(stop=(*config.stop, *plan.stop))
         run = _Run(
@@ -215,6 +234,7 @@ class SpecEM:
             plan.combine(constraint),
             prefill=plan.prefill,
             prefill_choices=plan.choices,
+            learned=learned,
         )
         return run, plan
 
@@ -355,8 +375,10 @@ class _Run:
         constraint: CandidateFilter | None,
         prefill: str = "",
         prefill_choices: Sequence[str] = (),
+        learned: MemberWeights | None = None,
     ) -> None:
         self.members = list(members)
+        self.learned = learned
         self.prefill = prefill
         self.prefill_choices = list(prefill_choices)
         self.config = config
@@ -486,6 +508,8 @@ class _Run:
                     emitted = max(emitted, safe)
                     announced = len(self.segments)
             result = self._result(finish, started, first_segment)
+            if self.learned is not None and cfg.hedge:
+                self.learned.observe_result(self.segments)
             last = self.segments[-1] if len(self.segments) > announced else None
             yield StreamEvent(delta=self.text[emitted:], segment=last, done=True, result=result)
         finally:
@@ -529,7 +553,12 @@ class _Run:
 
     def _initial_weights(self) -> dict[int, float]:
         verifiers = [i for i in self._active() if self.members[i].can_verify]
-        return {i: 1.0 / len(verifiers) for i in verifiers} if verifiers else {}
+        if not verifiers:
+            return {}
+        if self.learned is not None:
+            start = self.learned.start([self.members[i].name for i in verifiers])
+            return dict(zip(verifiers, start, strict=True))
+        return {i: 1.0 / len(verifiers) for i in verifiers}
 
     def _completion_tokens(self) -> int:
         return self.sessions[self._active()[0]].completion_tokens if self.sessions else 0
@@ -618,9 +647,12 @@ class _Run:
                 weights = dict(zip(verifiers, updated, strict=True))
                 rewards_list = [rewards[i] for i in verifiers]
             row_weights = [weights.get(i, 1.0 / len(verifiers)) for i in verifiers]
-            if not cfg.hedge:
+            if not cfg.hedge and self.learned is None:
                 row_weights = [1.0 / len(verifiers)] * len(verifiers)
-            combined = combine(normalized, row_weights)
+            if cfg.self_vote == "exclude":
+                combined = combine_leave_self_out(normalized, row_weights, verifiers, owners, candidates)
+            else:
+                combined = combine(normalized, row_weights)
             winner = argmax_first(combined)
         else:
             row_weights = [weights.get(i, 0.0) for i in verifiers] if verifiers else []
@@ -670,6 +702,31 @@ class _Run:
             first_segment_seconds=first_segment,
             config=self.config.to_dict(),
         )
+
+
+def combine_leave_self_out(
+    normalized: Sequence[Sequence[float]],
+    weights: Sequence[float],
+    verifiers: Sequence[int],
+    owners: Sequence[int],
+    candidates: Sequence[Candidate],
+) -> list[float]:
+    """S_i = Σ_{j ∉ own(i)} w_j ŝ[j][i] / Σ_{j ∉ own(i)} w_j: no verifier votes on its own
+    candidate (nor on another member's identical one). Rows stay normalized over all candidates,
+    so a verifier's vote on the others is relative to how it rates its own. A candidate that only
+    its own drafters could judge falls back to every verifier's vote."""
+    keys = [(c.text, c.ended) for c in candidates]
+    combined = []
+    for n, key in enumerate(keys):
+        own = {owners[k] for k, other in enumerate(keys) if other == key}
+        judges = [j for j, v in enumerate(verifiers) if v not in own] or list(range(len(verifiers)))
+        total = sum(weights[j] for j in judges)
+        if total <= 0:
+            total, judge_weights = float(len(judges)), [1.0] * len(judges)
+        else:
+            judge_weights = [weights[j] for j in judges]
+        combined.append(sum(w * normalized[j][n] for w, j in zip(judge_weights, judges, strict=True)) / total)
+    return combined
 
 
 def _constrain(

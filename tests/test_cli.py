@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -105,3 +106,22 @@ def test_switches_map_to_config_fields() -> None:
     config = _config(args)
     assert (config.token_healing, config.model_exit, config.hedge, config.segment_len) == (True, True, False, 5)
     assert _config(_parser().parse_args(["chat", "hi"])).token_healing is False
+
+
+def test_chat_learns_weights_in_a_state_file(
+    tiny_dirs: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "weights.json"
+    args = ["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "12"]
+    assert main([*args, "--weights", str(path)]) == 0
+    state = json.loads(path.read_text())
+    assert state["format"] == "specem-member-weights/1"
+    assert state["requests"] in (0, 1)  # 1 when the tiny random members' drafts differed (a contested vote)
+    assert main([*args, "--weights", str(path)]) == 0
+    assert json.loads(path.read_text())["requests"] >= state["requests"]
+    capsys.readouterr()
+    assert main([*args, "--weights", str(tmp_path / "missing-dir" / "w.json")]) == 2
+    assert "cannot write member-weights file" in capsys.readouterr().err
+    path.write_text("not json")
+    assert main([*args, "--weights", str(path)]) == 2
+    assert "cannot read member-weights file" in capsys.readouterr().err

@@ -125,10 +125,14 @@ def test_cached_scores_equal_a_from_scratch_evaluation(
         # rotate through the paths: a scored row, a boundary merge (rollback), the own draft
         text = commits[rnd] if rnd != 2 or not d.text or d.ended else d.text
         session.commit(text)
-        assert session._length == len(prompt) + len(session._resp_ids)
+        if session._behind is None:
+            assert session._length == len(prompt) + len(session._resp_ids)
+        else:  # a rollback waits for the next use (the next round's draft catches up)
+            assert session._length == len(prompt) + len(session._behind)
         if compact:
             assert session._ballast == 0
     assert refills or not compact  # the refill path ran
+    session._to_committed()  # what the next draft does first
     # after every commit path, the next-token logits equal a fresh evaluation
     ids = prompt + m.encode_response(session._text)
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]
@@ -153,6 +157,25 @@ def test_draft_equals_naive_greedy(models: dict[str, LlamaCppModel], kind: str) 
             break
         session.score([Candidate("self", d.text, d.ended), Candidate("o", " ok", False)], score_eos=True)
         session.commit(d.text)
+    session.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_member_that_only_follows_feeds_nothing_until_it_is_used(models: dict[str, LlamaCppModel], kind: str) -> None:
+    """Model Exit: a member that neither drafts nor scores pays for the committed text only when it
+    next drafts or scores, in one batch, and then drafts what a fresh evaluation would."""
+    m = _member(models, kind)
+    session = m.open(REQ)
+    prompt = m.encode_prompt(REQ)
+    session.draft(4, SamplingParams())  # prefilled and in use
+    calls = m.model.decode_calls
+    for piece in [" Paris is", " the capital", " of France.", " It"]:
+        session.commit(piece)
+    assert m.model.decode_calls == calls  # nothing fed yet
+    session._to_committed()  # what draft and score do first
+    assert m.model.decode_calls - calls == 1  # the four pieces in one batch
+    d = session.draft(6, SamplingParams())
+    assert (d.text, d.ended) == naive_draft(m, prompt, session._text, 6)
     session.close()
 
 

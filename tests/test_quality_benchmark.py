@@ -24,7 +24,7 @@ def load_quality(monkeypatch: pytest.MonkeyPatch, eval_dir: Path, results: Path)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "EVAL_DIR", eval_dir)
     monkeypatch.setattr(module, "RESULTS", results)
-    monkeypatch.setattr(module, "TASKS", {"ifeval": 6, "arc": 4})
+    monkeypatch.setattr(module, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8})
     return module
 
 
@@ -35,7 +35,7 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     shutil.copy(EVAL / "ifeval_score.py", eval_dir)
-    for name in ("ifeval_dev.jsonl", "arc_easy_dev.jsonl"):
+    for name in ("ifeval_dev.jsonl", "arc_easy_dev.jsonl", "gsm8k_dev.jsonl"):
         rows = (EVAL / name).read_text().splitlines()[:3]
         (eval_dir / name).write_text("\n".join(rows) + "\n")
     module = load_quality(monkeypatch, eval_dir, tmp_path / "results")
@@ -43,11 +43,14 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     import tiny
 
     from specem_core import SpecEM, SpecEMConfig
+    from specem_core.weights import MemberWeights
 
-    def build_engine(name: str) -> Any:
+    def build_engine(name: str, task: str = "") -> Any:
         members = {"smollm2": [tiny.member("llama", name="smol")], "qwen": [tiny.member("qwen2", name="qwen")]}
         chosen = members.get(name, [tiny.member("llama", name="smol"), tiny.member("qwen2", name="qwen")])
-        return SpecEM(chosen, SpecEMConfig(**module.CONFIGS[name]["config"]))
+        spec = module.CONFIGS[name]
+        weights = MemberWeights(**spec["weights"]) if "weights" in spec else None
+        return SpecEM(chosen, SpecEMConfig(**spec["config"]), weights=weights)
 
     monkeypatch.setattr(module, "build_engine", build_engine)
     return module
@@ -79,7 +82,59 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     row = next(line for line in analysis.splitlines() if line.startswith("| arc | default |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "3"  # n: the prompts both answered
-    assert int(cells[3]) + int(cells[4]) <= 3
+    assert cells[3] == "qwen"
+    assert int(cells[6]) + int(cells[7]) <= 3
+    assert 0.0 <= float(cells[8]) <= 1.0  # sign test p
+    best = quality.analyze()  # against the best member alone on each task
+    assert "| arc | default | 3 |" in best
+    replay = quality.explain("ifeval", "default")
+    assert "ranks its own candidate first" in replay
+    assert "| recorded |" in replay
+    assert "Leave-self-out picks the paper vote's candidate in" in replay
+
+
+def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
+    quality: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configs = dict(quality.CONFIGS)
+    configs["learned"] = {"members": ["smollm2", "qwen2.5-coder"], "config": {}, "weights": {"learning_rate": 1.0}}
+    monkeypatch.setattr(quality, "CONFIGS", configs)
+    quality.run("gsm8k", ["learned", "qwen"], limit=2, seed=0)
+    recs = quality.records("gsm8k", "learned")
+    assert len(recs) == 2
+    assert set(recs[-1]["weights_after"]) == {"smol", "qwen"}
+    saved = json.loads((quality.RESULTS / "gsm8k" / "learned.weights.json").read_text())
+    assert saved["format"] == "specem-member-weights/1"
+    assert saved["requests"] <= 2
+    figures = quality.measure("gsm8k", recs)
+    assert figures["n"] == 2
+    assert 0.0 <= figures["accuracy"] <= 100.0
+    text = quality.report()
+    assert "GSM8K dev (8 new tokens): first 2 prompts, every configuration" in text
+    assert "| learned | 2 |" in text
+
+
+@pytest.mark.parametrize(
+    ("reply", "final", "correct"),
+    [
+        ("3 + 4 = 7\nThe answer is 7.", "7", True),
+        ("Total: $1,250.", "1250", True),
+        ("So she has 2.50 left", "2.5", True),
+        ("12 apples, minus 5 is 7, so 7 ... wait 8", "7", False),
+        ("no numbers here", "3", False),
+        ("The balance is -40", "-40", True),
+    ],
+)
+def test_gsm8k_last_number(quality: Any, reply: str, final: str, correct: bool) -> None:
+    assert quality.gsm8k_correct(reply, final) is correct
+
+
+def test_sign_test_and_bootstrap(quality: Any) -> None:
+    assert quality.sign_test(0, 0) == 1.0
+    assert quality.sign_test(5, 5) == 1.0
+    assert quality.sign_test(10, 0) == pytest.approx(2 / 1024)
+    low, high = quality.bootstrap_ci([1] * 10 + [0] * 30)
+    assert 0 < low < 25 < high < 50
 
 
 @pytest.mark.parametrize(

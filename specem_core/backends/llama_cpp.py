@@ -610,6 +610,8 @@ class LlamaCppSession(MemberSession):
         """(sequence, first position, end position) of this round's candidate rows, in allocation order."""
         self._ballast = 0
         """Cells (an upper bound) retired to the ballast sequence since the last (re)fill."""
+        self._behind: list[int] | None = None
+        """The response ids the cache holds while committed text waits to be fed (``None``: up to date)."""
         self._closed = False
 
     # -- protocol ---------------------------------------------------------------------------
@@ -668,10 +670,12 @@ class LlamaCppSession(MemberSession):
             self._next_logits = self._feed(unfed) if unfed else self._next_logits
         elif row is not None and row.full_ids == full:
             self._adopt(row)
-        else:
+        else:  # text this session neither drafted nor scored: fed when the session is next used,
+            # so a member that has stopped drafting (Model Exit) costs nothing while one candidate wins alone
             self._drop_scratch()
             self._set_length(committed)
-            self._extend_to(full)
+            if self._behind is None:
+                self._behind = self._resp_ids
         self._resp_ids = full
         self._text += text
         self._committed_logits = self._next_logits
@@ -708,6 +712,11 @@ class LlamaCppSession(MemberSession):
             self._length = self._ballast = 0
             self._next_logits = self._feed(self._prompt_ids + self._resp_ids)
             self._committed_logits = self._next_logits
+        elif self._behind is not None:  # catch up with the deferred commits in one batch
+            cached, self._behind = self._behind, None
+            self._drop_scratch()
+            self._extend_to(self._resp_ids, cached)
+            self._committed_logits = self._next_logits
 
     def _feed(self, ids: Sequence[int]) -> Any:
         """Append ``ids`` to the session's sequence; return the next-token logits."""
@@ -731,9 +740,10 @@ class LlamaCppSession(MemberSession):
         self._set_length(self._committed_len())
         self._next_logits = self._committed_logits
 
-    def _extend_to(self, full: list[int]) -> None:
-        """Roll the sequence back to the common prefix with ``full`` and feed the rest."""
-        lcp = common_prefix(self._resp_ids, full)
+    def _extend_to(self, full: list[int], cached: list[int] | None = None) -> None:
+        """Roll the sequence back to the common prefix of ``full`` and the cached response ids
+        (``cached``, default the committed ones) and feed the rest."""
+        lcp = common_prefix(self._resp_ids if cached is None else cached, full)
         start = len(self._prompt_ids) + lcp
         tail = full[lcp:]
         if not tail:  # nothing new: recompute the logits of the last kept token
@@ -786,6 +796,7 @@ class LlamaCppSession(MemberSession):
         assert self._ctx is not None
         self._ctx.reset()
         self._scratch.clear()
+        self._behind = None
         self._ballast = 0
         self._length = 0
         self._committed_logits = self._next_logits = self._feed(self._prompt_ids + self._resp_ids)

@@ -139,6 +139,10 @@ class ChatSpecEM(BaseChatModel):
     llama-cpp-python is installed), ``"transformers"``, or ``None``/``"auto"``."""
     member_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, ``n_ctx``…)."""
+    member_weights: Any = None
+    """Verifier weights learned across requests: a :class:`specem_core.weights.MemberWeights`
+    or the path of its JSON state file (loaded if it exists, created otherwise, saved after each
+    request). ``None``: the paper's per-request weights."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
@@ -274,7 +278,7 @@ class ChatSpecEM(BaseChatModel):
             members = [
                 load_member(os.fspath(m), **options) if isinstance(m, str | os.PathLike) else m for m in self.members
             ]
-        return SpecEM(members)
+        return SpecEM(members, weights=self.member_weights)
 
     def _overrides(self, kwargs: Mapping[str, Any], stop: list[str] | None) -> dict[str, Any]:
         """SpecEMConfig overrides of one request: the fields, then the per-call arguments."""

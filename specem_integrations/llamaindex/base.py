@@ -94,6 +94,14 @@ class SpecEMLLM(FunctionCallingLLM):
             "llama-cpp-python is installed), 'transformers', or None/'auto'."
         ),
     )
+    member_weights: Any = Field(
+        default=None,
+        description=(
+            "Verifier weights learned across requests: a specem_core.weights.MemberWeights or the path of "
+            "its JSON state file (loaded if it exists, created otherwise, saved after each request). "
+            "None: the paper's per-request weights."
+        ),
+    )
     max_new_tokens: int | None = Field(
         default=None,
         gt=0,
@@ -162,7 +170,7 @@ class SpecEMLLM(FunctionCallingLLM):
             members = [load_member(spec, backend=self.backend) for spec in self.members]
         else:
             members = default_members(backend=self.backend)
-        return SpecEM(members, SpecEMConfig())
+        return SpecEM(members, SpecEMConfig(), weights=self.member_weights)
 
     def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """SpecEM config for one request: engine_options < the LLM's fields < call kwargs."""

@@ -464,3 +464,25 @@ def test_structured_output_include_raw_and_errors() -> None:
         ChatSpecEM().with_structured_output(Joke, method="xml")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs a schema"):
         ChatSpecEM().with_structured_output(None)
+
+
+def test_member_weights_path_reaches_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from scripted import ScriptedMember
+
+    import specem_core.registry as registry
+    from specem_core.weights import MemberWeights
+
+    def fake_load(spec: str, **kwargs: Any) -> ScriptedMember:
+        return ScriptedMember(
+            spec, drafts=[(spec.upper() + " ", False)], scorer=lambda committed, c: 2.0 if "A" in c.text else 1.0
+        )
+
+    monkeypatch.setattr(registry, "load_member", fake_load)
+    path = tmp_path / "weights.json"
+    llm = ChatSpecEM(members=["a", "b", "c"], max_tokens=4, member_weights=str(path))
+    llm.invoke("hi")
+    weights = llm.get_engine().weights
+    assert isinstance(weights, MemberWeights)
+    assert weights.requests == 1
+    assert path.exists()  # saved after the request
+    assert ChatSpecEM(members=["a", "b"]).get_engine().weights is None  # opt-in

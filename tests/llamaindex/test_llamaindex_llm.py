@@ -260,3 +260,22 @@ def test_serializes_without_the_engine() -> None:
     assert data["class_name"] == "SpecEM_LLM"
     assert data["max_new_tokens"] == 8
     assert "engine" not in data
+
+
+def test_member_weights_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scripted import ScriptedMember
+
+    import specem_core.registry as registry
+    from specem_core.weights import MemberWeights
+
+    def fake_load(spec: str, **kwargs: Any) -> ScriptedMember:
+        return ScriptedMember(
+            spec, drafts=[(spec.upper() + " ", False)], scorer=lambda committed, c: 2.0 if "A" in c.text else 1.0
+        )
+
+    monkeypatch.setattr(registry, "load_member", fake_load)
+    weights = MemberWeights({"a": 2.0})
+    llm = SpecEMLLM(members=["a", "b", "c"], max_new_tokens=4, member_weights=weights)
+    llm.complete("hi")
+    assert llm.engine.weights is weights
+    assert weights.requests == 1

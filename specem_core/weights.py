@@ -1,0 +1,238 @@
+"""Member weights learned across requests (opt-in), with priors, saved as a small JSON file.
+
+The paper's Hedge restarts from uniform weights on every request, and with two members its
+reward ``max(wins, 1)/(N−1)²`` is 1 for both whatever happens, so nothing is ever learned. A
+:class:`MemberWeights` object carried by the engine changes that: every request starts from the
+weights learned so far (times the prior), and after the request the verifiers' Hedge rewards are
+added to a running total. The weights are an anytime Hedge over requests:
+
+    w_m ∝ prior_m · exp(η0 · R_m / sqrt(T))
+
+with R_m the sum over requests of member m's mean reward minus the members' mean (so a request
+where all members do equally well moves nothing) and T the number of requests that had a vote.
+
+Example:
+    >>> from specem_core.weights import MemberWeights
+    >>> w = MemberWeights(prior={"big": 3.0, "small": 1.0})
+    >>> [round(x, 2) for x in w.start(["big", "small"])]
+    [0.75, 0.25]
+    >>> w.observe({"big": [1.0, 1.0], "small": [0.5, 0.25]})
+    >>> w.requests
+    1
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specem_core.errors import ConfigError
+
+_FORMAT = "specem-member-weights/1"
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+class MemberWeights:
+    """Verifier weights shared by every request of an engine, learned online, savable as JSON.
+
+    Args:
+        prior: relative trust per member name (any positive numbers; they are normalized over the
+            verifiers of each request). Members without an entry get the mean of the given
+            priors, or 1 when there are none. A prior can come from a small labelled
+            calibration set (e.g. each member's accuracy alone) or from model size.
+        learning_rate: η0 of the Hedge across requests; 0 keeps the prior fixed.
+        max_log_ratio: bound on how far learning alone may move the log-weight of one member
+            from the mean (keeps a member that loses a long run of requests able to come back).
+
+    Thread-safe: concurrent requests read and update it under a lock.
+    """
+
+    def __init__(
+        self,
+        prior: Mapping[str, float] | None = None,
+        *,
+        learning_rate: float = 1.0,
+        max_log_ratio: float = 4.0,
+    ) -> None:
+        self.prior: dict[str, float] = {}
+        for name, value in (prior or {}).items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"member weight priors are keyed by member name; got {name!r}")
+            if not _finite(value) or value <= 0:
+                raise ConfigError(f"the prior of member {name!r} must be a positive finite number, got {value!r}")
+            self.prior[name] = float(value)
+        for label, number in (("learning_rate", learning_rate), ("max_log_ratio", max_log_ratio)):
+            if not _finite(number) or number < 0:
+                raise ConfigError(f"{label} must be a finite number >= 0, got {number!r}")
+        self.learning_rate = float(learning_rate)
+        self.max_log_ratio = float(max_log_ratio)
+        self.cumulative: dict[str, float] = {}
+        """Sum over requests of each member's centred mean Hedge reward (R_m)."""
+        self.requests = 0
+        """Requests that contributed (had at least one contested vote)."""
+        self.history: list[dict[str, float]] = []
+        """The normalized weights after each contributing request (to see how fast they settle)."""
+        self.path: Path | None = None
+        """Where :meth:`observe` saves the state after each request (set by :meth:`open`)."""
+        self._lock = threading.Lock()
+        self._save_lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        prior: Mapping[str, float] | None = None,
+        **options: float,
+    ) -> MemberWeights:
+        """The state kept in ``path``: loaded when the file exists, else a new one (with this prior
+        and options) written there now; either way saved there after every request that teaches it.
+
+        Raises:
+            ConfigError: the file exists but is not a member-weights state, or cannot be written.
+        """
+        if Path(path).exists():
+            state = cls.load(path)
+        else:
+            state = cls(prior, **options)
+            try:  # create it now: a path that cannot be written fails before any model loads
+                state.save(path)
+            except OSError as exc:
+                raise ConfigError(f"cannot write member-weights file {path}: {exc}") from exc
+        state.path = Path(path)
+        return state
+
+    # -- use ---------------------------------------------------------------------------------
+    def start(self, names: Sequence[str]) -> list[float]:
+        """Normalized starting weights of these verifiers for a new request."""
+        with self._lock:
+            return self._weights(names)
+
+    def current(self) -> dict[str, float]:
+        """The weights of every member seen so far (prior or learned), normalized over them."""
+        with self._lock:
+            names = sorted(set(self.prior) | set(self.cumulative))
+            return dict(zip(names, self._weights(names), strict=True)) if names else {}
+
+    def observe(self, rewards: Mapping[str, Sequence[float]]) -> None:
+        """Learn from one request: ``rewards[name]`` are the Hedge rewards of that verifier in each
+        contested round. Members are compared on their mean reward, centred on the members' mean."""
+        means = {name: sum(values) / len(values) for name, values in rewards.items() if values}
+        if len(means) < 2:
+            return  # nothing was compared
+        centre = sum(means.values()) / len(means)
+        with self._lock:
+            for name, mean in means.items():
+                self.cumulative[name] = self.cumulative.get(name, 0.0) + (mean - centre)
+            self.requests += 1
+            names = sorted(set(self.prior) | set(self.cumulative))
+            self.history.append({n: round(w, 6) for n, w in zip(names, self._weights(names), strict=True)})
+        if self.path is not None:
+            self.save(self.path)
+
+    def observe_result(self, segments: Iterable[Any]) -> None:
+        """:meth:`observe` the rewards recorded in a request's segments (``Segment.rewards``)."""
+        rewards: dict[str, list[float]] = {}
+        for seg in segments:
+            for name, reward in zip(seg.verifiers, seg.rewards, strict=False):
+                rewards.setdefault(name, []).append(float(reward))
+        self.observe(rewards)
+
+    def settled_after(self, tolerance: float = 0.02) -> int | None:
+        """The first request count after which no weight moved by more than ``tolerance``
+        (absolute) to the last recorded weights; ``None`` before two requests."""
+        if len(self.history) < 2:
+            return None
+        final = self.history[-1]
+        for n in range(1, len(self.history) + 1):
+            later = self.history[n - 1 :]
+            if all(abs(s.get(k, 0.0) - final.get(k, 0.0)) <= tolerance for s in later for k in final):
+                return n
+        return len(self.history)
+
+    def _weights(self, names: Sequence[str]) -> list[float]:
+        if not names:
+            return []
+        fallback = sum(self.prior.values()) / len(self.prior) if self.prior else 1.0
+        scale = self.learning_rate / math.sqrt(self.requests) if self.requests else 0.0
+        logs = []
+        for name in names:
+            learned = scale * self.cumulative.get(name, 0.0)
+            learned = max(-self.max_log_ratio, min(self.max_log_ratio, learned))
+            logs.append(math.log(self.prior.get(name, fallback)) + learned)
+        top = max(logs)
+        raw = [math.exp(v - top) for v in logs]
+        total = sum(raw)
+        return [v / total for v in raw]
+
+    # -- persistence -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON state (what :meth:`save` writes)."""
+        with self._lock:
+            return {
+                "format": _FORMAT,
+                "prior": dict(self.prior),
+                "learning_rate": self.learning_rate,
+                "max_log_ratio": self.max_log_ratio,
+                "cumulative": dict(self.cumulative),
+                "requests": self.requests,
+                "history": list(self.history),
+            }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MemberWeights:
+        """Rebuild from :meth:`to_dict`'s output.
+
+        Raises:
+            ConfigError: not a member-weights state.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            raise ConfigError(f"not a SpecEM member-weights file (expected format {_FORMAT!r})")
+        try:
+            state = cls(
+                data.get("prior") or {},
+                learning_rate=data.get("learning_rate", 1.0),
+                max_log_ratio=data.get("max_log_ratio", 4.0),
+            )
+            state.cumulative = {str(k): float(v) for k, v in (data.get("cumulative") or {}).items()}
+            state.requests = int(data.get("requests", 0))
+            state.history = [{str(k): float(v) for k, v in h.items()} for h in data.get("history") or []]
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"malformed SpecEM member-weights state: {exc}") from exc
+        if state.requests < 0 or any(not math.isfinite(v) for v in state.cumulative.values()):
+            raise ConfigError("malformed SpecEM member-weights state: negative request count or non-finite reward")
+        return state
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the state as JSON (atomically: a crash never leaves half a file)."""
+        target = Path(path)
+        with self._save_lock:  # snapshot and write together, so an older state never lands last
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+            os.replace(tmp, target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MemberWeights:
+        """Read a state written by :meth:`save`.
+
+        Raises:
+            ConfigError: the file is missing, not JSON, or not a member-weights state.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"member-weights file not found: {path}") from exc
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read member-weights file {path}: {exc}") from exc
+        return cls.from_dict(data)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v:.3f}" for k, v in self.current().items())
+        return f"MemberWeights({shown}; requests={self.requests}, learning_rate={self.learning_rate})"
