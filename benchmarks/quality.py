@@ -528,16 +528,9 @@ def analyze(against: str | None = None) -> str:
 def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:
     """Time per answer of a configuration against one member alone, side by side in one process
     (alternating prompt by prompt, so both see the same machine), on the first ``limit`` prompts.
-    The configuration starts from the weights its quality run learned (read, not updated)."""
-    from specem_core.weights import MemberWeights
-
-    engines = {}
-    for config in (against, name):
-        engine = build_engine(config, task)
-        saved = RESULTS / task / f"{config}.weights.json"
-        if saved.exists() and engine.weights is not None:
-            engine._weights = MemberWeights.load(saved)  # a copy: timing runs teach nothing
-        engines[config] = engine
+    The configuration starts from the weights its quality run learned (``build_engine`` reads
+    that file; a timing run never writes it)."""
+    engines = {config: build_engine(config, task) for config in (against, name)}
     rows = []
     for row in load_rows(task, limit):
         key, prompt = prompt_of(task, row)

@@ -34,6 +34,8 @@ from typing import Any
 from specem_core.errors import ConfigError
 
 _FORMAT = "specem-member-weights/1"
+_HISTORY_LIMIT = 10_000
+"""Snapshots kept in ``history``: the state is saved after every request, so it must stay small."""
 
 
 def _finite(value: object) -> bool:
@@ -79,7 +81,7 @@ class MemberWeights:
         self.requests = 0
         """Requests that contributed (had at least one contested vote)."""
         self.history: list[dict[str, float]] = []
-        """The normalized weights after each contributing request (to see how fast they settle)."""
+        """The normalized weights after each contributing request (the last 10,000; to see how fast they settle)."""
         self.path: Path | None = None
         """Where :meth:`observe` saves the state after each request (set by :meth:`open`)."""
         self._lock = threading.Lock()
@@ -134,6 +136,7 @@ class MemberWeights:
             self.requests += 1
             names = sorted(set(self.prior) | set(self.cumulative))
             self.history.append({n: round(w, 6) for n, w in zip(names, self._weights(names), strict=True)})
+            del self.history[:-_HISTORY_LIMIT]
         if self.path is not None:
             self.save(self.path)
 
