@@ -607,6 +607,7 @@ class _Invalid(Exception):
 
 _NUMBER_PREFIX = re.compile(r"-?(0|[1-9]\d*)?(\.\d*)?([eE][+-]?\d*)?")
 _NUMBER_FULL = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
+_INTEGER_PREFIX = re.compile(r"-?(0|[1-9]\d*)?")
 _LITERALS = {"t": ("true", "boolean"), "f": ("false", "boolean"), "n": ("null", "null")}
 
 
@@ -656,10 +657,14 @@ class _PrefixParser:
     no valid document could have raises :class:`_Invalid`. Schemas are checked on the way.
     """
 
-    def __init__(self, text: str, root: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, text: str, root: Mapping[str, Any] | None = None, *, strict: bool = False) -> None:
         self.s = text
         self.i = 0
         self.root: Mapping[str, Any] = root or {}
+        self.strict = strict
+        """Values must have the schema's JSON types as written (a JSON answer is returned as is);
+        otherwise a string may stand for a number or boolean and a number for a string, as tool
+        arguments are coerced to their schema after parsing."""
 
     # basic reading
     def peek(self) -> str:
@@ -741,8 +746,9 @@ class _PrefixParser:
         self.i += 4
         return chr(int(digits, 16))
 
-    def number(self) -> None:
-        m = _NUMBER_PREFIX.match(self.s, self.i)
+    def number(self, *, integer: bool = False) -> None:
+        """A JSON number; with ``integer`` no fraction or exponent."""
+        m = (_INTEGER_PREFIX if integer else _NUMBER_PREFIX).match(self.s, self.i)
         end = m.end() if m else self.i
         if end == len(self.s):
             if end == self.i and self.s[self.i : self.i + 1] != "-":
@@ -778,10 +784,10 @@ class _PrefixParser:
                     kinds = set()
                     break
                 kinds |= t
-            self._check_kind(ch, kinds or None)
+            self._check_kind(ch, kinds or None, strict=self.strict)
             self._generic(ch)  # unions: structure only
             return
-        self._check_kind(ch, types)
+        self._check_kind(ch, types, strict=self.strict)
         if ch == "{":
             self.obj(schema if types is None or "object" in types else {})
         elif ch == "[":
@@ -791,9 +797,9 @@ class _PrefixParser:
             allowed = [e for e in enum if isinstance(e, str)] if isinstance(enum, list) else None
             if allowed is not None and types is not None and types != {"string"}:
                 allowed = None  # mixed enums: no prefix check
-            self.string(allowed or None, _string_pattern(types))
+            self.string(allowed or None, None if self.strict else _string_pattern(types))
         elif ch in "-0123456789":
-            self.number()
+            self.number(integer=self.strict and types is not None and "number" not in types)
         elif ch in _LITERALS:
             self.literal()
         else:
@@ -824,22 +830,26 @@ class _PrefixParser:
             raise _Invalid(f"unexpected {ch!r}")
 
     @staticmethod
-    def _check_kind(ch: str, types: set[str] | None) -> None:
-        """Reject a value whose first character cannot fit the schema, even after coercion."""
+    def _check_kind(ch: str, types: set[str] | None, *, strict: bool = False) -> None:
+        """Reject a value whose first character cannot fit the schema (after coercion, unless
+        ``strict``)."""
         if not types:
             return
+        # without strict, strings coerce to numbers, booleans, null, objects and arrays, and
+        # numbers, booleans and null to strings
+        loose = set() if strict else {"string"}
         if ch == "{":
             ok = "object" in types
         elif ch == "[":
             ok = "array" in types
-        elif ch == '"':  # strings coerce to numbers, booleans, null, objects and arrays
-            ok = True
+        elif ch == '"':
+            ok = "string" in types or not strict
         elif ch in "-0123456789":
-            ok = bool(types & {"integer", "number", "string"})
+            ok = bool(types & {"integer", "number", *loose})
         elif ch in "tf":
-            ok = bool(types & {"boolean", "string"})
+            ok = bool(types & {"boolean", *loose})
         elif ch == "n":
-            ok = bool(types & {"null", "string"})
+            ok = bool(types & {"null", *loose})
         else:
             ok = False
         if not ok:
@@ -1082,7 +1092,7 @@ class JSONConstraint:
 
     def accepts(self, text: str) -> bool:
         """Whether ``text`` is a prefix of a JSON object fitting the schema."""
-        parser = _PrefixParser(text, self._schema)
+        parser = _PrefixParser(text, self._schema, strict=True)
         try:
             parser.ws()
             if parser.i >= len(text):
@@ -1103,7 +1113,7 @@ class JSONConstraint:
         """The continuations of the JSON answer at the end of ``committed``, when they can be listed."""
         if not self.accepts(committed):
             return []
-        parser = _PrefixParser(committed, self._schema)
+        parser = _PrefixParser(committed, self._schema, strict=True)
         try:
             parser.value(self._schema)
         except _Incomplete as exc:

@@ -313,6 +313,41 @@ def test_json_constraint():
     assert c.trim("{", '"setup": "a", "x": 1}') == '"setup": "a", "'
 
 
+def test_json_constraint_keeps_the_schema_types_as_written():
+    """A JSON answer is returned as is: no number in a string field, no string in a number field
+    (tool arguments, by contrast, are coerced after parsing; see below)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "height": {"type": "number"},
+            "ok": {"type": "boolean"},
+            "note": {"type": ["string", "null"]},
+        },
+    }
+    c = JSONConstraint(schema)
+    assert c.accepts('{"name": "Ada", "age": 36, "height": 1.65, "ok": true, "note": null}')
+    assert not c.accepts('{"name": 5')  # was accepted before: a number in a string field
+    assert not c.accepts('{"name": true')
+    assert not c.accepts('{"age": "36"')
+    assert not c.accepts('{"age": 36.5')  # an integer has no fraction
+    assert not c.accepts('{"age": 1e3')
+    assert c.accepts('{"height": -2.5e-1')
+    assert not c.accepts('{"ok": "yes"')
+    assert not c.accepts('{"note": 3')
+    assert c.accepts('{"note": "n')
+    assert c.trim('{"name": ', '42, "age": 1}') == ""
+    assert c.options('{"ok": ') == ["true", "false"]
+
+
+def test_tool_arguments_stay_coercible():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}}
+    c = ToolCallConstraint([tool])
+    assert c.accepts('<tool_call>\n{"name": "f", "arguments": {"n": "3", "s": 4}}</tool_call>')
+
+
 # -- streaming -------------------------------------------------------------------------------
 def test_visible_content_holds_back_markup():
     assert visible_content("Hello <tool_c") == "Hello"
