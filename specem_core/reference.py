@@ -54,7 +54,8 @@ def naive_draft(
     ended = False
     with torch.inference_mode():
         while True:
-            logits = member.model(input_ids=torch.tensor([ids + new])).logits[0, -1].float()
+            step = torch.tensor([ids + new], device=member.model.device)
+            logits = member.model(input_ids=step).logits[0, -1].float()
             if suppress:
                 logits[suppress] = float("-inf")
             token = int(torch.argmax(logits))
@@ -84,7 +85,7 @@ def authors_draft(
     import torch
 
     resp_ids = member.encode_response(response)
-    ids = torch.tensor([prompt + resp_ids])
+    ids = torch.tensor([prompt + resp_ids], device=member.model.device)
     with torch.inference_mode():
         out = member.model.generate(
             input_ids=ids,
@@ -132,7 +133,7 @@ def naive_scores(
             if ended and (score_eos or not targets):
                 targets = [*targets, member._eot_id]
             seq = prompt + full[:lcp] + targets
-            logits = member.model(input_ids=torch.tensor([seq])).logits[0].float()
+            logits = member.model(input_ids=torch.tensor([seq], device=member.model.device)).logits[0].float()
             start = len(prompt) + lcp
             raw = [float(logits[p - 1, seq[p]]) for p in range(start, len(seq))]
             lps = torch.log_softmax(logits, dim=-1)

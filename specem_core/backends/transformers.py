@@ -21,6 +21,7 @@ between segments and a final word before EOS are therefore never lost or corrupt
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -72,6 +73,8 @@ class TransformersMember:
         chat_template: str | None = None,
     ) -> None:
         self.model = model.eval()
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.name = name or _default_name(model)
         self.can_draft = can_draft
@@ -312,8 +315,16 @@ class TransformersSession(MemberSession):
         """Committed response length in this member's tokens."""
         return len(self._resp_ids)
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
-        """Continue from the cached committed prefix by up to ``max_tokens`` tokens."""
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue from the cached committed prefix by up to ``max_tokens`` tokens (``hints`` are
+        not used by this backend: its batched verification already costs about one decode step)."""
         self._ensure_prefilled()
         self._to_committed()
         if sampling.token_healing:
@@ -481,7 +492,8 @@ class TransformersSession(MemberSession):
         torch = self._torch
         with torch.inference_mode():
             input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._m._device)
-            out = self._m.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+            cache = {self._m._cache_arg: self._cache}
+            out = self._m.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache)
             return out.logits[0, -1].float()
 
     def _cache_len(self) -> int:
@@ -581,7 +593,9 @@ class TransformersSession(MemberSession):
         input_ids = torch.tensor(
             [s + [self._m.pad_id] * (width - len(s)) for s in seqs], dtype=torch.long, device=self._m._device
         )
-        output = self._m.model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep)
+        output = self._m.model(
+            input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._m._cache_arg: self._cache}
+        )
         logits = output.logits.float()  # [batch, keep, vocab]: positions width-keep .. width-1
         logprobs = torch.log_softmax(logits, dim=-1)
         offset = width - keep
