@@ -87,7 +87,14 @@ class TimedSession:
     def completion_tokens(self) -> int:
         return int(self.inner.completion_tokens)
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
         self.round += 1
         t0 = time.perf_counter()
         try:

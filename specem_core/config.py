@@ -97,6 +97,13 @@ class SpecEMConfig:
     """k_min: no exit before this many rounds."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
+    draft_hints: bool = True
+    """Members that share a device draft one after another, cheapest first, and each is shown the
+    candidates drafted before it: it scores them in one forward pass (work its verification needs
+    anyway) and, wherever its own pick equals a candidate's next token, continues from that
+    candidate's row instead of a decode step (speculative decoding with the other members as
+    drafters). Each draft is the one the member makes alone, so decisions do not change (also in
+    ``faithful`` mode); only the work does. Off: drafters run in member order without hints."""
     faithful: bool = False
     """Reproduce the authors' formulas exactly (see the class docstring)."""
     member_retries: int = 1

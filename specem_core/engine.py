@@ -329,7 +329,8 @@ class _Pool:
     """Runs one call per member, concurrently across concurrency keys when allowed."""
 
     def __init__(self, members: Sequence[Member], parallel: bool | None) -> None:
-        keys = {m.concurrency_key for m in members}
+        self._keys = [m.concurrency_key for m in members]
+        keys = set(self._keys)
         self.parallel = (len(keys) > 1) if parallel is None else parallel
         self._executor = ThreadPoolExecutor(max_workers=len(members)) if self.parallel else None
 
@@ -357,6 +358,10 @@ class _Pool:
             for i, res in zip(groups[key], fut.result(), strict=True):
                 by_index[i] = res
         return [by_index[i] for i in indices]
+
+    def concurrent(self, indices: Sequence[int]) -> bool:
+        """Whether these members' calls would run at the same time (different devices or servers)."""
+        return self._executor is not None and len({self._keys[i] for i in indices}) > 1
 
     def close(self) -> None:
         if self._executor is not None:
@@ -582,12 +587,11 @@ class _Run:
         if not drafting:  # every remaining drafter exited: bring them back rather than stall
             self.exited.clear()
             drafting = [i for i in self._active() if self.members[i].can_draft]
-        drafts: dict[int, Draft] = self._call(
-            "draft", drafting, lambda i: self.sessions[i].draft(max_tokens, self.sampling), k
-        )
+        drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
         for i, d in drafts.items():
             self.usage[i].drafted_tokens += d.tokens
+            self.usage[i].reused_tokens += d.reused
             self.usage[i].rounds_drafted += 1
         owners = [i for i in drafting if i in drafts and (drafts[i].text or drafts[i].ended)]
         if not owners:
@@ -678,6 +682,24 @@ class _Run:
             learning_rate=eta,
         )
         return segment, weights, candidates[winner].ended
+
+    def _draft(self, drafting: list[int], max_tokens: int, k: int) -> dict[int, Draft]:
+        """Every drafter's draft. Drafters that would run one after another anyway (one device)
+        take turns cheapest first, each shown the candidates drafted before it
+        (``SpecEMConfig.draft_hints``); otherwise they draft concurrently, without hints."""
+        cfg = self.config
+        members = self.members
+        if not cfg.draft_hints or len(drafting) < 2 or self.pool.concurrent(drafting):
+            return self._call("draft", drafting, lambda i: self.sessions[i].draft(max_tokens, self.sampling), k)
+        drafts: dict[int, Draft] = {}
+        for i in sorted(drafting, key=lambda i: (_draft_cost(members[i]), i)):
+            hints = [Candidate(members[j].name, d.text, d.ended, d.tokens) for j, d in drafts.items() if d.text]
+
+            def draft_one(i: int, hints: list[Candidate] = hints) -> Draft:
+                return self.sessions[i].draft(max_tokens, self.sampling, hints=hints, score_eos=cfg.eos_voting)
+
+            drafts.update(self._call("draft", [i], draft_one, k))
+        return {i: drafts[i] for i in drafting if i in drafts}
 
     def _commit(self, text: str, round_index: int, final: bool) -> None:
         if not text:
@@ -772,6 +794,13 @@ def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float
         if all(v is not None for v in values):
             return [float(v) for v in values], False
     raise SpecEMError(f"a verifier returned no {scoring} score")
+
+
+def _draft_cost(member: Member) -> float:
+    """Relative cost of one drafted token (``member.draft_cost`` where a backend knows it, e.g.
+    the GGUF's size; 0 otherwise, which keeps the member order)."""
+    cost = getattr(member, "draft_cost", None)
+    return float(cost) if isinstance(cost, int | float) else 0.0
 
 
 def _find_stop(text: str, stops: Sequence[str], old_len: int) -> int | None:

@@ -133,6 +133,9 @@ class Draft:
     text: str
     ended: bool
     tokens: int
+    reused: int = 0
+    """Of ``tokens``, those taken from an earlier candidate's scored rows (no decode step of
+    their own: speculative drafting on the round's hints)."""
 
 
 @dataclass
@@ -183,6 +186,9 @@ class MemberUsage:
     """The committed response in this member's tokens."""
     drafted_tokens: int = 0
     """Tokens this member generated while drafting (winning or not)."""
+    reused_tokens: int = 0
+    """Of ``drafted_tokens``, those that cost no decode step: this member's pick equalled an
+    earlier candidate's token, whose scored row it continued from (``SpecEMConfig.draft_hints``)."""
     rounds_drafted: int = 0
 
 

@@ -25,6 +25,9 @@ class ScriptedMember:
     fail_on: set[str] = field(default_factory=set)
     """Stages (open/draft/score/commit) that raise."""
     calls: list[str] = field(default_factory=list)
+    draft_cost: float = 0.0
+    hints_seen: list[list[str]] = field(default_factory=list)
+    """The texts of the hints each draft call was shown."""
 
     def open(self, request: SessionRequest) -> ScriptedSession:
         self.calls.append("open")
@@ -49,8 +52,16 @@ class ScriptedSession:
     def completion_tokens(self) -> int:
         return len(self.text.split())
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
         self.member.calls.append("draft")
+        self.member.hints_seen.append([h.text for h in hints])
         if "draft" in self.member.fail_on:
             raise TimeoutError(f"{self.member.name} timed out")
         self.round += 1

@@ -314,3 +314,18 @@ def test_prompt_too_long_for_one_member_fails_before_any_model_work(parallel: bo
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_drafters_on_one_device_take_turns_cheapest_first_with_the_earlier_drafts_as_hints() -> None:
+    big = ScriptedMember("big", drafts=[("one two", False), (" three", True)], draft_cost=10.0)
+    small = ScriptedMember("small", drafts=[("uno dos", False), (" tres", True)], draft_cost=1.0)
+    result = SpecEM([big, small], SpecEMConfig(segment_len=4)).generate("count")
+    assert [c.member for c in result.segments[0].candidates] == ["big", "small"]  # member order kept
+    assert small.hints_seen[0] == []  # the cheaper member drafts first, shown nothing
+    assert big.hints_seen[0] == ["uno dos"]
+    SpecEM([big, small], SpecEMConfig(segment_len=4, draft_hints=False)).generate("count")
+    assert big.hints_seen[-1] == []
+    assert small.hints_seen[-1] == []
+    remote = ScriptedMember("remote", drafts=[("x", True)], concurrency_key="server-b")
+    SpecEM([big, remote], SpecEMConfig(segment_len=4)).generate("count")
+    assert big.hints_seen[-1] == []  # different devices draft at the same time: no hints

@@ -386,3 +386,96 @@ def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None
     assert isinstance(chat.get_engine().members[0], LlamaCppMember)
     llm = SpecEMLLM(members=["smollm2"], backend="llamacpp", max_new_tokens=8)
     assert llm.complete("Say hi.").text
+
+
+# -- speculative drafting on the round's earlier candidates (SpecEMConfig.draft_hints) ----------
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
+    models: dict[str, LlamaCppModel], kind: str
+) -> None:
+    """A draft shown earlier candidates is the draft the member makes alone, its agreeing tokens
+    cost no decode step, the hints' scores come from the hint pass, and whichever candidate wins
+    (its own draft, a hint it followed or not, a later candidate, a text cut short) the cache stays
+    equal to a fresh evaluation: the cells under the draft are never reused out of order."""
+    m = _member(models, kind)
+    leader, follower = m.open(REQ), m.open(REQ)  # the leader's plain drafts are the follower's hints
+    prompt = m.encode_prompt(REQ)
+    # (which hints, who wins): each adoption and retirement path once
+    rounds = [("half", "own"), ("half", "half"), ("both", "other"), ("half+lead", "half"), ("both", "half")]
+    rounds += [("half", "cut"), ("lead", "lead"), ("half", "own")]
+    worst = reused = 0.0
+    for shown, winner in rounds:
+        lead = leader.draft(3, SamplingParams())
+        if lead.ended or not lead.text:  # the answer is over: nothing left to hint
+            break
+        half = Candidate("half", lead.text[: max(1, len(lead.text) // 2)] + " zebra", False)
+        full = Candidate("lead", lead.text, False)
+        hints = {"half": [half], "lead": [full], "both": [full, half], "half+lead": [half, full]}[shown]
+        alone = naive_draft(m, prompt, follower._text, 3) if kind == "llama" else None
+        follower._to_committed()  # a deferred commit is fed here, not counted below
+        calls = m.model.decode_calls
+        d = follower.draft(3, SamplingParams(), hints=hints, score_eos=True)
+        if kind == "llama":  # batch-invariant: the draft is the naive one exactly (Qwen2's kernels
+            assert (d.text, d.ended) == alone  # move logits by ~0.3, which flips near ties)
+        assert m.model.decode_calls - calls == 1 + 3 - d.reused - (0 if d.reused == 3 else 1)  # hint pass + own steps
+        reused += d.reused
+        other = Candidate("other", " and then", False)
+        cands = [Candidate("self", d.text, d.ended), *hints, other]
+        calls = m.model.decode_calls
+        got = follower.score(cands, score_eos=True)
+        assert m.model.decode_calls - calls == 1  # only the candidate that was not a hint
+        want = naive_scores(m, prompt, follower._text, [(c.text, c.ended) for c in cands], True)
+        for g, (logit, logprob) in zip(got, want, strict=True):
+            assert g.mean_logit is not None
+            assert g.mean_logprob is not None
+            worst = max(worst, abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
+        text = {"own": d.text, "half": half.text, "lead": full.text, "other": other.text, "cut": d.text[:3]}[winner]
+        follower.commit(text)
+        leader.commit(text)
+        if follower._behind is None:
+            assert follower._length == len(prompt) + len(follower._resp_ids)
+    assert reused > 0
+    follower._to_committed()
+    ids = prompt + m.encode_response(follower._text)
+    fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]
+    next_error = float(abs(follower._next_logits - fresh).max())
+    after = follower.draft(3, SamplingParams())
+    if kind == "llama":
+        assert (after.text, after.ended) == naive_draft(m, prompt, follower._text, 3)
+    leader.close()
+    follower.close()
+    noise = _batch_noise(m.model, ids)
+    if kind == "llama":
+        assert noise == 0.0  # batch-invariant under 64 tokens: the checks are exact
+    assert worst <= max(TOL, noise), (worst, noise)
+    assert next_error <= max(TOL, noise), (next_error, noise)
+
+
+def test_members_take_turns_cheapest_first_and_reuse_what_they_agree_on(models: dict[str, LlamaCppModel]) -> None:
+    """With draft_hints (default) the answer and every decision are those of drafting without
+    hints; a member shown a candidate it agrees with spends no decode step on those tokens."""
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    twin = [LlamaCppMember(models["llama"], name="a"), LlamaCppMember(models["llama"], name="b")]
+    msgs = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    results = {}
+    calls = {}
+    for hints in (False, True):
+        engine = SpecEM(twin, SpecEMConfig(segment_len=8, max_new_tokens=48, draft_hints=hints))
+        before = models["llama"].decode_calls
+        results[hints] = engine.generate(msgs)
+        calls[hints] = models["llama"].decode_calls - before
+    plain, hinted = results[False], results[True]
+    assert hinted.text == plain.text
+    assert [s.candidates for s in hinted.segments] == [s.candidates for s in plain.segments]
+    assert [s.winner_index for s in hinted.segments] == [s.winner_index for s in plain.segments]
+    a, b = hinted.usage.per_member
+    assert a.reused_tokens == 0  # "a" drafts first (same cost: member order)
+    assert b.reused_tokens == b.drafted_tokens - sum(1 for s in hinted.segments if s.candidates[1].ended)
+    assert plain.usage.per_member[1].reused_tokens == 0
+    assert calls[True] < 0.7 * calls[False]
+    if "qwen2" in models:  # a costlier member drafts after a cheaper one, whatever the member order
+        qwen = LlamaCppMember(models["qwen2"], name="qwen")
+        mixed = SpecEM([qwen, twin[0]], SpecEMConfig(segment_len=6, max_new_tokens=24)).generate(msgs)
+        assert mixed.usage.per_member[1].reused_tokens == 0
+        assert mixed.excluded == []

@@ -57,8 +57,24 @@ class MemberSession(Protocol):
         """Committed response length in this member's tokens."""
         ...
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
-        """Continue the prompt plus the committed response by up to ``max_tokens`` tokens."""
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue the prompt plus the committed response by up to ``max_tokens`` tokens.
+
+        ``hints`` are this round's candidates drafted before this call (the engine passes them
+        when members take turns on one device; ``score_eos`` is then the value the round's
+        ``score`` call will get). A session may score them now, in one forward pass, and draft
+        speculatively from them: wherever its own pick equals a hint's next token, it continues
+        from the hint's forward row instead of a new decode step. The draft is the one it would
+        have made without hints; ``score`` then answers for the hints from that pass. A session
+        that cannot use hints ignores them.
+        """
         ...
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:

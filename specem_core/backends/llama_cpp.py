@@ -495,6 +495,12 @@ class LlamaCppMember:
         return self.model.n_ctx - min(_CANDIDATE_ROOM, self.model.n_ctx // 2)
 
     @property
+    def draft_cost(self) -> int:
+        """Relative cost of a drafted token: the GGUF's size (the engine lets cheaper members draft
+        first, so that costlier ones can reuse their tokens; ``SpecEMConfig.draft_hints``)."""
+        return self.model.path.stat().st_size
+
+    @property
     def concurrency_key(self) -> str:
         """All llama.cpp members of a process share its CPUs: within a request they run one after another."""
         return "llamacpp:cpu"
@@ -574,6 +580,25 @@ class _Row:
     """Sequence length after the candidate's text tokens (EOS excluded)."""
     next_logits: Any
     """Logits after the last text token."""
+    hint: bool = False
+    """Scored before this session drafted (a hint): the draft's own cells lie above it."""
+    text_ids: list[int] = field(default_factory=list)
+    """The candidate's tokens after the committed ids (hints that extend them)."""
+    step_logits: list[Any] = field(default_factory=list)
+    """Logits after each of ``text_ids`` (hints that extend the committed ids): speculative drafting."""
+
+
+@dataclass
+class _Scratch:
+    """Cells ``[start, end)`` of a scratch sequence, in allocation order within the session."""
+
+    seq: int
+    start: int
+    end: int
+    kept: int = 0
+    """Leading positions the session's own sequence took over (a hint the draft agreed with)."""
+    below: bool = False
+    """The session's draft continued past these cells: they lie below its newest cell."""
 
 
 class LlamaCppSession(MemberSession):
@@ -606,8 +631,10 @@ class LlamaCppSession(MemberSession):
         """Next-token logits after the last position held (the committed prefix, or a draft)."""
         self._draft: DraftState | None = None
         self._rows: dict[str, _Row] = {}
-        self._scratch: list[tuple[int, int, int]] = []
-        """(sequence, first position, end position) of this round's candidate rows, in allocation order."""
+        self._scratch: list[_Scratch] = []
+        """This round's candidate rows, in allocation order."""
+        self._early: dict[tuple[str, bool], CandidateScore] = {}
+        """Scores of this round's hints, by (text, end of turn scored), computed while drafting."""
         self._ballast = 0
         """Cells (an upper bound) retired to the ballast sequence since the last (re)fill."""
         self._behind: list[int] | None = None
@@ -625,19 +652,35 @@ class LlamaCppSession(MemberSession):
         """Committed response length in this member's tokens."""
         return len(self._resp_ids)
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
-        """Continue from the committed prefix by up to ``max_tokens`` tokens."""
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue from the committed prefix by up to ``max_tokens`` tokens.
+
+        ``hints`` (candidates drafted before this one) are scored first, in one decode call, and
+        the draft then runs over their rows for as long as its own picks equal a hint's tokens:
+        each agreeing token costs no decode step (speculative drafting, exact for any sampling:
+        the picks are made from the same logits, with the same random stream).
+        """
         self._to_committed()
         if sampling.token_healing:
             healed = self._draft_healed(max_tokens, sampling)
             if healed is not None:
                 return healed
-        return self._draft_from(self._committed_logits, [], max_tokens, sampling)
+        rows = self._score_hints(hints, score_eos) if hints else []
+        return self._draft_from(self._committed_logits, [], max_tokens, sampling, rows)
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
-        """Mean raw logit and mean log-prob of each candidate's tokens, all in one decode call."""
+        """Mean raw logit and mean log-prob of each candidate's tokens, all in one decode call
+        (hints scored while drafting are not scored again)."""
         self._ensure_prefilled()
-        self._drop_scratch()
+        if not self._early:
+            self._drop_scratch()
         out, pending = plan_scores(
             candidates,
             encode=self._m.encode_response,
@@ -646,6 +689,9 @@ class LlamaCppSession(MemberSession):
             draft=self._draft,
             score_eos=score_eos,
         )
+        for n, text, _full, _lcp, with_eos in pending:
+            out[n] = self._early.get((text, with_eos))
+        pending = [p for p in pending if out[p[0]] is None]
         if pending:
             self._score_pass(pending, out)
         return [s if s is not None else CandidateScore() for s in out]
@@ -664,7 +710,7 @@ class LlamaCppSession(MemberSession):
             and not draft.ended
             and full == self._resp_ids + draft.ids
         ):
-            self._drop_scratch()
+            self._drop_scratch(retire_below=True)  # hint rows under the draft stay occupied
             self._set_length(committed + draft.fed)
             unfed = draft.ids[draft.fed :]
             self._next_logits = self._feed(unfed) if unfed else self._next_logits
@@ -752,29 +798,39 @@ class LlamaCppSession(MemberSession):
         self._set_length(start)
         self._next_logits = self._feed(tail)
 
-    def _drop_scratch(self) -> None:
+    def _drop_scratch(self, *, retire_below: bool = False) -> None:
+        """Free this round's candidate rows; with ``retire_below``, rows the session's sequence
+        grew past (hints under its draft) are retired instead, since it keeps its newest cells."""
         assert self._ctx is not None
         while self._scratch:
-            self._ctx.drop_scratch(self._scratch.pop()[0])
+            entry = self._scratch.pop()
+            if retire_below and entry.below:
+                self._retire(entry.seq, entry.start + entry.kept, entry.end)
+            self._ctx.drop_scratch(entry.seq)
         self._rows = {}
+        self._early = {}
 
     def _adopt(self, row: _Row) -> None:
         """Make the winner's scored rows the session's cache.
 
         Every cell allocated before the winner's (the session's draft, candidates earlier in the
         pass) lies below it: those are retired to the ballast sequence rather than freed, so the
-        session never reuses a cell below its newest one; later candidates are freed.
+        session never reuses a cell below its newest one; later cells are freed. A winning hint
+        was scored before the draft: the draft's own cells lie above it, and those it took over
+        from a hint belong to that hint's rows (retired or freed with them).
         """
         ctx = self._ctx
         assert ctx is not None
-        if self._length > row.start:  # draft rows (or re-read committed rows) below the winner
-            self._retire(0, row.start, self._length)
+        if self._length > row.start:
+            if not row.hint:  # draft rows (or re-read committed rows) below the winner
+                self._retire(0, row.start, self._length)
             ctx.truncate(0, row.start)
         ctx.share(row.seq, 0, row.start, row.cache_len)
-        for seq, start, end in self._scratch:
-            if seq == row.seq:
+        for entry in self._scratch:
+            if entry.seq == row.seq:
                 break
-            self._retire(seq, start, end)
+            # positions the session took over from an earlier hint were retired with its own rows
+            self._retire(entry.seq, entry.start if row.hint else entry.start + entry.kept, entry.end)
         self._drop_scratch()
         self._length = row.cache_len
         self._next_logits = row.next_logits
@@ -802,12 +858,26 @@ class LlamaCppSession(MemberSession):
         self._committed_logits = self._next_logits = self._feed(self._prompt_ids + self._resp_ids)
 
     # -- drafting ---------------------------------------------------------------------------
-    def _draft_from(self, logits: Any, allowed_first: list[int], max_tokens: int, sampling: SamplingParams) -> Draft:
-        """The drafting loop from ``logits`` (the first pick limited to ``allowed_first`` when given)."""
+    def _draft_from(
+        self,
+        logits: Any,
+        allowed_first: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        hints: Sequence[_Row] = (),
+    ) -> Draft:
+        """The drafting loop from ``logits`` (the first pick limited to ``allowed_first`` when given).
+
+        While the picks equal the tokens of one of ``hints`` (rows scored on the committed prefix),
+        the next logits come from that hint's row instead of a decode step; the agreeing positions
+        are then taken over from the hint's cells (shared, not recomputed)."""
         history = set(self._prompt_ids) | set(self._resp_ids)
         ids: list[int] = []
         scores: list[tuple[float, float]] = []
         eos_score: tuple[float, float] | None = None
+        alive = [r for r in hints if r.step_logits]
+        source: _Row | None = None
+        hinted = reused = 0  # hinted: leading ids whose KV rows are source's, not yet the session's
         while True:
             token = self._pick(logits, sampling, history, allowed_first if not ids else None)
             score = (float(logits[token]), float(logits[token]) - _logsumexp(self._np, logits))
@@ -817,13 +887,29 @@ class LlamaCppSession(MemberSession):
             ids.append(token)
             scores.append(score)
             history.add(token)
+            if alive:
+                at = len(ids) - 1
+                alive = [r for r in alive if at < len(r.text_ids) and r.text_ids[at] == token]
+                if alive:
+                    source, hinted = alive[0], len(ids)
             if len(ids) >= max_tokens and (
                 not _incomplete_utf8(self._m.decode_bytes(ids)) or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
             ):
                 break
+            if alive and source is not None:
+                logits = source.step_logits[hinted - 1]
+                continue
+            if source is not None and hinted:
+                self._take_hint_rows(source, hinted)
+                reused, hinted = hinted, 0
+            for entry in self._scratch:  # the draft's own cells now lie above the hints' rows
+                entry.below = True
             logits = self._feed([token])
+        if source is not None and hinted:
+            self._take_hint_rows(source, hinted)
+            reused = hinted
         ended = eos_score is not None
-        fed = len(ids) if ended else max(len(ids) - 1, 0)
+        fed = self._length - self._committed_len()
         canonical = True
         while ids and _incomplete_utf8(self._m.decode_bytes(ids)):  # never hand out half a character
             ids.pop()
@@ -836,7 +922,38 @@ class LlamaCppSession(MemberSession):
                 text, ended, canonical = text[:cut], True, False
         fed = min(fed, len(ids))
         self._draft = DraftState(ids, scores, eos_score, ended, text, fed, canonical)
-        return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0))
+        return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0), reused=reused)
+
+    def _score_hints(self, hints: Sequence[Candidate], score_eos: bool) -> list[_Row]:
+        """Score ``hints`` now (one decode call), keeping every row of those that extend the
+        committed ids for speculative drafting; ``score`` answers for them from here."""
+        out, pending = plan_scores(
+            hints,
+            encode=self._m.encode_response,
+            committed_text=self._text,
+            committed_ids=self._resp_ids,
+            draft=None,
+            score_eos=score_eos,
+        )
+        if not pending:
+            return []
+        self._score_pass(pending, out, hints=True)
+        for n, text, _full, _lcp, with_eos in pending:
+            score = out[n]
+            if score is not None:
+                self._early[(text, with_eos)] = score
+        return [row for row in self._rows.values() if row.step_logits]
+
+    def _take_hint_rows(self, row: _Row, n: int) -> None:
+        """The session's sequence takes over the first ``n`` positions of a hint's row."""
+        assert self._ctx is not None
+        assert self._length == row.start
+        self._ctx.share(row.seq, 0, row.start, row.start + n)
+        for entry in self._scratch:
+            if entry.seq == row.seq:
+                entry.kept = n
+        self._length = row.start + n
+        self._next_logits = row.step_logits[n - 1]
 
     def _draft_healed(self, max_tokens: int, sampling: SamplingParams) -> Draft | None:
         """Token healing (see the transformers backend): redraw the last committed token among the
@@ -908,13 +1025,19 @@ class LlamaCppSession(MemberSession):
 
     # -- verification -----------------------------------------------------------------------
     def _score_pass(
-        self, pending: list[tuple[int, str, list[int], int, bool]], out: list[CandidateScore | None]
+        self,
+        pending: list[tuple[int, str, list[int], int, bool]],
+        out: list[CandidateScore | None],
+        *,
+        hints: bool = False,
     ) -> None:
         """One decode call scoring ``pending``: one scratch sequence per candidate on the shared prefix.
 
         A candidate that adds to the committed ids starts at the committed length and its first
         token is scored from the committed logits; one that re-tokenizes part of the committed
         text (a boundary merge) starts one token before the first changed id, which it re-reads.
+        With ``hints`` the rows of candidates that add to the committed ids keep the logits of
+        every position (for speculative drafting).
         """
         ctx = self._ctx
         assert ctx is not None
@@ -936,7 +1059,7 @@ class LlamaCppSession(MemberSession):
             offset, seq = len(work.tokens), -1
             if row:
                 seq = ctx.take_scratch()
-                self._scratch.append((seq, start, start + len(row)))
+                self._scratch.append(_Scratch(seq, start, start + len(row)))
                 ctx.share(0, seq, 0, start)
                 work.tokens += row
                 work.positions += range(start, start + len(row))
@@ -946,6 +1069,8 @@ class LlamaCppSession(MemberSession):
                     work.outputs.append(targets[t] if t < len(targets) else -1)
                 if text_ids:
                     work.full_rows.add(offset + len(row) - 1)  # the logits after the text seed the next round
+                if hints and extends:
+                    work.full_rows.update(range(offset, offset + len(row)))
             plans.append((n, text, full, targets, first_target, extends, start, offset, len(row), seq))
         if work.tokens:
             ctx.decode(work)
@@ -956,7 +1081,17 @@ class LlamaCppSession(MemberSession):
                 stats.insert(0, (raw, raw - head_lse))
             out[n] = mean_score(stats)
             if seq >= 0 and length and text not in self._rows and (offset + length - 1) in work.rows:
-                self._rows[text] = _Row(seq, full, start, start + length, work.rows[offset + length - 1])
+                steps = [work.rows[offset + p] for p in range(length)] if hints and extends else []
+                self._rows[text] = _Row(
+                    seq,
+                    full,
+                    start,
+                    start + length,
+                    work.rows[offset + length - 1],
+                    hint=hints,
+                    text_ids=full[len(self._resp_ids) :] if steps else [],
+                    step_logits=steps,
+                )
 
 
 def _logsumexp(np: Any, row: Any) -> float:

@@ -68,9 +68,16 @@ class CountedSession:
         """Committed response length in the member's tokens."""
         return self._inner.completion_tokens
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
         """Forwarded to the member's session."""
-        return self._inner.draft(max_tokens, sampling)
+        return self._inner.draft(max_tokens, sampling, hints=hints, score_eos=score_eos)
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         """Forwarded to the member's session."""

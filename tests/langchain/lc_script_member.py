@@ -55,7 +55,14 @@ class FollowSession:
     def completion_tokens(self) -> int:
         return -(-len(self.text) // CHARS_PER_TOKEN)
 
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
         if self.target.startswith(self.text):
             rest = self.target[len(self.text) :]
             piece = rest[: max_tokens * CHARS_PER_TOKEN]

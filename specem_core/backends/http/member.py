@@ -857,8 +857,16 @@ class OpenAIHTTPSession(MemberSession):
         return self._completion_tokens
 
     # -- protocol ---------------------------------------------------------------------------
-    def draft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
-        """Continue ``prompt + committed`` by up to ``max_tokens`` tokens (one HTTP request)."""
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue ``prompt + committed`` by up to ``max_tokens`` tokens (one HTTP request; the
+        server drafts on its own, so ``hints`` are not used)."""
         return self._sync(self.adraft_core(max_tokens, sampling))
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
