@@ -42,7 +42,7 @@ def plain_generate_seconds(member: Any, messages: list[dict[str, str]], tokens: 
         return elapsed
     import torch
 
-    ids = torch.tensor([member.encode_prompt(SessionRequest(messages))])
+    ids = torch.tensor([member.encode_prompt(SessionRequest(messages))], device=member.model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = member.model.generate(

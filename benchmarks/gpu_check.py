@@ -1,0 +1,131 @@
+"""The transformers backend on a CUDA GPU: exactness, then speed against its floor.
+
+    python benchmarks/gpu_check.py --models DIR [DIR ...] --out results.json
+
+Each ``DIR`` holds a model's ``config.json`` and tokenizer files (no weights needed: the weights
+are random, drawn with a fixed seed, so the check runs where the packaged weights cannot be
+copied). Exactness: in fp32 on the GPU, cached scores equal a full recomputation
+(``specem_core.reference.naive_scores``) and the faithful engine makes the naive loop's decisions.
+Speed: in bf16, the ensemble's time for T tokens against the sum of each member's own greedy
+``generate`` for T tokens (the floor; ``benchmarks/speed.py``'s figure (a)), greedy with
+``ignore_eos``. Random weights produce meaningless text; the work per token is that of the real
+architecture and vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MESSAGES = [{"role": "user", "content": "Write a long, detailed essay about the history of Rome."}]
+
+
+def load(directory: Path, dtype: Any, name: str) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from specem_core.backends.transformers import TransformersMember
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return TransformersMember(model, tokenizer, name=name)
+
+
+def exactness(dirs: list[Path]) -> dict[str, Any]:
+    import torch
+
+    from specem_core import Candidate, SamplingParams, SessionRequest, SpecEM, SpecEMConfig
+    from specem_core.reference import naive_generate, naive_scores
+
+    members = [load(d, torch.float32, f"{d.name}-fp32") for d in dirs]
+    worst = 0.0
+    request = SessionRequest(MESSAGES)
+    for m in members:
+        session = m.open(request)
+        prompt = m.encode_prompt(request)
+        for _ in range(4):
+            d = session.draft(6, SamplingParams())
+            cands = [
+                Candidate("self", d.text, d.ended),
+                Candidate("x", " hello wor", False),
+                Candidate("y", "ld!", True),
+            ]
+            got = session.score(cands, score_eos=True)
+            want = naive_scores(m, prompt, session._text, [(c.text, c.ended) for c in cands], True)
+            for g, (logit, logprob) in zip(got, want, strict=True):
+                worst = max(worst, abs((g.mean_logit or 0.0) - logit), abs((g.mean_logprob or 0.0) - logprob))
+            session.commit(cands[1].text if d.ended else d.text)
+        session.close()
+    engine = SpecEM(members, SpecEMConfig(faithful=True, segment_len=6, max_new_tokens=36))
+    got_run = engine.generate(MESSAGES)
+    want_run = naive_generate(members, MESSAGES, segment_len=6, max_new_tokens=36)
+    same = got_run.text == want_run.text and [s.winner_index for s in got_run.segments] == [
+        r.winner for r in want_run.rounds
+    ]
+    out = {"max_score_difference_fp32": worst, "faithful_equals_naive": same, "rounds": len(got_run.segments)}
+    print(f"exactness (fp32, cuda): {out}", flush=True)
+    return out
+
+
+def speed(dirs: list[Path], tokens: list[int]) -> dict[str, Any]:
+    import torch
+    from speed import plain_generate_seconds
+
+    from specem_core import SpecEM, SpecEMConfig
+
+    members = [load(d, torch.bfloat16, d.name) for d in dirs]
+    engine = SpecEM(members, SpecEMConfig(segment_len=10, ignore_eos=True))
+    engine.generate(MESSAGES, max_new_tokens=24)
+    for m in members:
+        plain_generate_seconds(m, MESSAGES, 8)
+    rows = []
+    for t in tokens:
+        plain = {m.name: plain_generate_seconds(m, MESSAGES, t) for m in members}
+        torch.cuda.synchronize()
+        result = engine.generate(MESSAGES, max_new_tokens=t)
+        produced = result.usage.completion_tokens
+        floor = sum(plain.values()) * produced / t
+        row = {
+            "tokens": t,
+            "ensemble_s": result.seconds,
+            "plain_s": plain,
+            "ratio_vs_floor": result.seconds / floor,
+            "tokens_per_s": produced / result.seconds,
+            "first_segment_s": result.first_segment_seconds,
+        }
+        rows.append(row)
+        print(f"speed (bf16, cuda) T={t}: {json.dumps(row)}", flush=True)
+    growth = (rows[-1]["ensemble_s"] / tokens[-1]) / (rows[0]["ensemble_s"] / tokens[0])
+    return {"rows": rows, "per_token_growth": growth}
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, nargs="+", required=True)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_check.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device")
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "exactness": exactness(args.models),
+        "speed": speed(args.models, args.tokens),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
