@@ -400,10 +400,12 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     m = _member(models, kind)
     leader, follower = m.open(REQ), m.open(REQ)  # the leader's plain drafts are the follower's hints
     prompt = m.encode_prompt(REQ)
-    # (which hints, who wins): each adoption and retirement path once
+    # (which hints, who wins): each adoption and retirement path once; "cut" commits a text nobody
+    # scored that ends inside a word, so that the next round's winning hint merges with it
     rounds = [("half", "own"), ("half", "half"), ("both", "other"), ("half+lead", "half"), ("both", "half")]
     rounds += [("half", "cut"), ("lead", "lead"), ("half", "own")]
     worst = reused = 0.0
+    merged_hints = 0  # winning hints that re-read committed tokens (a boundary merge)
     for shown, winner in rounds:
         lead = leader.draft(3, SamplingParams())
         if lead.ended or not lead.text:  # the answer is over: nothing left to hint
@@ -429,12 +431,16 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
             assert g.mean_logit is not None
             assert g.mean_logprob is not None
             worst = max(worst, abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
-        text = {"own": d.text, "half": half.text, "lead": full.text, "other": other.text, "cut": d.text[:3]}[winner]
+        text = {"own": d.text, "half": half.text, "lead": full.text, "other": other.text, "cut": " Ber"}[winner]
+        row = follower._rows.get(text)
+        merged_hints += bool(row and row.hint and row.start < len(prompt) + len(follower._resp_ids))
         follower.commit(text)
         leader.commit(text)
         if follower._behind is None:
             assert follower._length == len(prompt) + len(follower._resp_ids)
     assert reused > 0
+    if kind == "llama":
+        assert merged_hints  # the hint after " Ber" re-reads it ("Berlin"), and wins
     follower._to_committed()
     ids = prompt + m.encode_response(follower._text)
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]

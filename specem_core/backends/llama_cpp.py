@@ -822,8 +822,11 @@ class LlamaCppSession(MemberSession):
         ctx = self._ctx
         assert ctx is not None
         if self._length > row.start:
-            if not row.hint:  # draft rows (or re-read committed rows) below the winner
-                self._retire(0, row.start, self._length)
+            # below the winner: the draft's rows and committed rows it re-reads; a hint was scored
+            # before the draft, so only the committed rows it re-reads (a boundary merge) lie below it
+            below = min(self._length, self._committed_len()) if row.hint else self._length
+            if below > row.start:
+                self._retire(0, row.start, below)
             ctx.truncate(0, row.start)
         ctx.share(row.seq, 0, row.start, row.cache_len)
         for entry in self._scratch:
