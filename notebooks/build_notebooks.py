@@ -143,6 +143,23 @@ BENCHMARKS = [
         "        ax.set_ylabel('seconds'); ax.set_title(res['backend']); ax.tick_params(axis='x', rotation=30)\n"
         "    fig.suptitle('ensemble vs. sum of members alone'); fig.tight_layout(); plt.show()"
     ),
+    new_markdown_cell(
+        "Speculative drafting on the other members' candidates (`SpecEMConfig.draft_hints`), on and off side by "
+        "side (`python benchmarks/draft_hints.py`): seconds per answer and the share of each member's drafted "
+        "tokens taken from an earlier candidate's rows instead of a decode step."
+    ),
+    new_code_cell(
+        "hints_file = root / 'benchmarks' / 'results' / 'draft_hints.json'\n"
+        "if hints_file.exists():\n"
+        "    for members, entry in json.loads(hints_file.read_text()).items():\n"
+        "        s = entry['summary']\n"
+        "        shares = ', '.join(\n"
+        "            f\"{m.split('-instruct')[0]} {100 * v:.0f}%\" for m, v in s['reused_share'].items()\n"
+        "        )\n"
+        "        print(f\"{members} (T={s['tokens']}): on / off = {s['on_over_off']:.2f}; reused: {shares}\")\n"
+        "else:\n"
+        "    print('no draft_hints results yet: run python benchmarks/draft_hints.py')"
+    ),
     new_code_cell(
         "summary = root / 'benchmarks' / 'results' / 'quality' / 'summary.md'\n"
         "from IPython.display import Markdown\n"
