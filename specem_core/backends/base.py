@@ -72,7 +72,8 @@ class MemberSession(Protocol):
         ``score`` call will get). A session may score them now, in one forward pass, and draft
         speculatively from them: wherever its own pick equals a hint's next token, it continues
         from the hint's forward row instead of a new decode step. The draft is the one it would
-        have made without hints; ``score`` then answers for the hints from that pass. A session
+        have made without hints (up to batch-versus-single-step numerics); ``score`` then answers
+        for the hints from that pass. A session
         that cannot use hints ignores them.
         """
         ...
