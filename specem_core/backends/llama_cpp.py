@@ -498,7 +498,7 @@ class LlamaCppMember:
     def draft_cost(self) -> int:
         """Relative cost of a drafted token: the GGUF's size (the engine lets cheaper members draft
         first, so that costlier ones can reuse their tokens; ``SpecEMConfig.draft_hints``)."""
-        return self.model.path.stat().st_size
+        return self.model.info.file_size  # read once, when the model was validated
 
     @property
     def concurrency_key(self) -> str:
