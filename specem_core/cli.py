@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from specem_core import __version__
 from specem_core.config import SpecEMConfig
-from specem_core.errors import SpecEMError
+from specem_core.errors import ConfigError, SpecEMError
 from specem_core.types import GenerationResult
 
 _COLORS = ("\033[36m", "\033[35m", "\033[33m", "\033[32m", "\033[34m", "\033[31m")
@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
     chat.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
     chat.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
+    chat.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
     chat.add_argument(
         "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
     )
@@ -125,6 +126,7 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
     serve.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
     serve.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
+    serve.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
     serve.add_argument("--token-healing", action="store_true", help="drafters redraw the last committed token")
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
@@ -138,13 +140,23 @@ _WEIGHTS_HELP = (
 )
 
 
+_MIN_SHARE_HELP = (
+    "with --weights: members whose learned weight share is below SHARE sit a request out (neither "
+    "draft nor verify; reported as excluded at stage 'gate'); saved in the state file"
+)
+
+
 def _weights(args: argparse.Namespace) -> Any:
     """The learned-weights state named by ``--weights`` (checked before any model loads)."""
+    if args.min_share is not None and not args.weights:
+        raise ConfigError("--min-share needs --weights (the learned weights it gates on)")
     if not args.weights:
         return None
     from specem_core.weights import MemberWeights
 
-    return MemberWeights.open(args.weights)
+    if args.min_share is None:
+        return MemberWeights.open(args.weights)
+    return MemberWeights.open(args.weights, min_share=args.min_share)
 
 
 def _config(args: argparse.Namespace) -> SpecEMConfig:
@@ -315,7 +327,6 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except OSError as exc:
         raise SpecEMError(str(exc)) from None
     try:
-
         members = _load_members(args, err, api_key_env=args.member_api_key_env)
         engine = SpecEM(members, config, weights=weights)
         app = create_app(

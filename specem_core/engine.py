@@ -533,11 +533,32 @@ class _Run:
             seed = None if base_seed is None else base_seed + 1_000_003 * i
             return self.members[i].open(SessionRequest(self.messages, self.tools, seed))
 
-        opened = self._call("open", range(len(self.members)), open_one, 0)
+        gated = self._gate()
+        opened = self._call("open", [i for i in range(len(self.members)) if i not in gated], open_one, 0)
         self.sessions.update(opened)
         self._require_drafter()
         for i, s in self.sessions.items():
             self.usage[i].prompt_tokens = s.prompt_tokens
+
+    def _gate(self) -> set[int]:
+        """Members the learned weights keep out of this request (``MemberWeights.min_share``),
+        reported as exclusions at stage ``gate``; the best-weighted drafter always stays."""
+        if self.learned is None:
+            return set()
+        verifiers = [i for i, m in enumerate(self.members) if m.can_verify]
+        names = [self.members[i].name for i in verifiers]
+        low = self.learned.gated(names)
+        if not low:
+            return set()
+        start = dict(zip(verifiers, self.learned.start(names), strict=True))
+        gated = {i for i in verifiers if self.members[i].name in low}
+        if not any(m.can_draft for i, m in enumerate(self.members) if i not in gated):
+            gated.discard(max((i for i in gated if self.members[i].can_draft), key=lambda i: start[i]))
+        for i in sorted(gated):
+            share = start[i]
+            reason = f"learned weight share {share:.4f} is below min_share {self.learned.min_share:g}"
+            self.excluded.append(Exclusion(self.members[i].name, "gate", reason, 0))
+        return gated
 
     def _vote_choice(self, choices: list[str]) -> str:
         """The continuation the verifiers score best (uniform weights; ties → the first one)."""

@@ -214,11 +214,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class Exclusion:
-    """A member dropped from a request after failing (and its retries)."""
+    """A member dropped from a request after failing (and its retries), or kept out of it by the
+    learned weights (stage ``gate``, round 0: ``MemberWeights.min_share``)."""
 
     member: str
     stage: str
-    """``open``, ``draft``, ``score`` or ``commit``."""
+    """``open``, ``draft``, ``score``, ``commit`` or ``gate``."""
     error: str
     round: int
 

@@ -53,6 +53,13 @@ class MemberWeights:
         learning_rate: η0 of the Hedge across requests; 0 keeps the prior fixed.
         max_log_ratio: bound on how far learning alone may move the log-weight of one member
             from the mean (keeps a member that loses a long run of requests able to come back).
+        min_share: members whose weight share, among a request's verifiers, is below this sit
+            the request out: they neither draft nor verify, and the result reports them as
+            excluded at stage ``"gate"``. This is what keeps a weak member from costing the
+            ensemble quality (its segments winning as everyone's second choice) and time. A gated
+            member is not observed, but the learning rate decays as 1/sqrt(requests), so its
+            learned penalty fades and it is let back in unless the prior alone keeps it out.
+            0 (the default) gates nobody; the best-weighted drafter is never gated.
 
     Thread-safe: concurrent requests read and update it under a lock.
     """
@@ -63,6 +70,7 @@ class MemberWeights:
         *,
         learning_rate: float = 1.0,
         max_log_ratio: float = 4.0,
+        min_share: float = 0.0,
     ) -> None:
         self.prior: dict[str, float] = {}
         for name, value in (prior or {}).items():
@@ -74,8 +82,11 @@ class MemberWeights:
         for label, number in (("learning_rate", learning_rate), ("max_log_ratio", max_log_ratio)):
             if not _finite(number) or number < 0:
                 raise ConfigError(f"{label} must be a finite number >= 0, got {number!r}")
+        if not _finite(min_share) or not 0.0 <= min_share < 1.0:
+            raise ConfigError(f"min_share must be a number in [0, 1), got {min_share!r}")
         self.learning_rate = float(learning_rate)
         self.max_log_ratio = float(max_log_ratio)
+        self.min_share = float(min_share)
         self.cumulative: dict[str, float] = {}
         """Sum over requests of each member's centred mean Hedge reward (R_m)."""
         self.requests = 0
@@ -96,12 +107,16 @@ class MemberWeights:
     ) -> MemberWeights:
         """The state kept in ``path``: loaded when the file exists, else a new one (with this prior
         and options) written there now; either way saved there after every request that teaches it.
+        ``min_share`` given here also applies to a loaded state (a gate is a serving choice).
 
         Raises:
             ConfigError: the file exists but is not a member-weights state, or cannot be written.
         """
         if Path(path).exists():
             state = cls.load(path)
+            if "min_share" in options and options["min_share"] != state.min_share:
+                state.min_share = cls(min_share=options["min_share"]).min_share  # validated
+                state.save(path)
         else:
             state = cls(prior, **options)
             try:  # create it now: a path that cannot be written fails before any model loads
@@ -116,6 +131,14 @@ class MemberWeights:
         """Normalized starting weights of these verifiers for a new request."""
         with self._lock:
             return self._weights(names)
+
+    def gated(self, names: Sequence[str]) -> dict[str, float]:
+        """The members among ``names`` whose weight share is below ``min_share``, with their share."""
+        if self.min_share <= 0.0 or len(names) < 2:
+            return {}
+        with self._lock:
+            shares = self._weights(names)
+        return {n: s for n, s in zip(names, shares, strict=True) if s < self.min_share}
 
     def current(self) -> dict[str, float]:
         """The weights of every member seen so far (prior or learned), normalized over them."""
@@ -184,6 +207,7 @@ class MemberWeights:
                 "prior": dict(self.prior),
                 "learning_rate": self.learning_rate,
                 "max_log_ratio": self.max_log_ratio,
+                "min_share": self.min_share,
                 "cumulative": dict(self.cumulative),
                 "requests": self.requests,
                 "history": list(self.history),
@@ -203,6 +227,7 @@ class MemberWeights:
                 data.get("prior") or {},
                 learning_rate=data.get("learning_rate", 1.0),
                 max_log_ratio=data.get("max_log_ratio", 4.0),
+                min_share=data.get("min_share", 0.0),
             )
             state.cumulative = {str(k): float(v) for k, v in (data.get("cumulative") or {}).items()}
             state.requests = int(data.get("requests", 0))
@@ -238,4 +263,5 @@ class MemberWeights:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v:.3f}" for k, v in self.current().items())
-        return f"MemberWeights({shown}; requests={self.requests}, learning_rate={self.learning_rate})"
+        gate = f", min_share={self.min_share}" if self.min_share else ""
+        return f"MemberWeights({shown}; requests={self.requests}, learning_rate={self.learning_rate}{gate})"

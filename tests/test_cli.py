@@ -125,3 +125,12 @@ def test_chat_learns_weights_in_a_state_file(
     path.write_text("not json")
     assert main([*args, "--weights", str(path)]) == 2
     assert "cannot read member-weights file" in capsys.readouterr().err
+    assert main([*args, "--min-share", "0.2"]) == 2
+    assert "--min-share needs --weights" in capsys.readouterr().err
+    gated = tmp_path / "gated.json"
+    gated.write_text(json.dumps({"format": "specem-member-weights/1", "prior": {"a": 1.0, "b": 1.0}}))
+    assert main([*args, "--weights", str(gated), "--min-share", "1.5"]) == 2
+    assert "min_share must be a number in [0, 1)" in capsys.readouterr().err
+    assert main([*args, "--weights", str(gated), "--min-share", "0.2", "--json"]) == 0
+    assert json.loads(gated.read_text())["min_share"] == 0.2
+    assert json.loads(capsys.readouterr().out)["excluded"] == []  # two members at 1/2 each: nobody gated

@@ -239,3 +239,21 @@ def test_open_is_cheap_and_the_prompt_is_prefilled_on_first_use() -> None:
         assert by_final.completion_tokens == len(m.encode_response("The end."))
     finally:
         hook.remove()
+
+
+def test_tokenizer_ids_beyond_the_models_head_are_not_banned() -> None:
+    # A tokenizer can know more ids than the model scores (a special token added after training,
+    # or one a saved tokenizer gains on reload): drafting must not index logits with them.
+    from specem_core.backends.transformers import TransformersMember
+
+    model, tok = tiny.tiny_qwen2()
+    rows = model.get_output_embeddings().weight.shape[0]
+    tok.add_special_tokens({"additional_special_tokens": ["<extra_control>"]})
+    extra = tok.convert_tokens_to_ids("<extra_control>")
+    assert extra >= rows
+    member = TransformersMember(model, tok, name="qwen2")
+    assert extra not in member.suppress_ids
+    assert member.suppress_ids  # the model's own control tokens stay banned
+    result = SpecEM([member], SpecEMConfig(max_new_tokens=8, ignore_eos=True)).generate("hi")
+    assert result.excluded == []
+    assert result.usage.completion_tokens >= 8

@@ -95,6 +95,9 @@ def test_bad_weight_files_raise_config_error(tmp_path: Path, content: str | None
         ({"prior": {"": 1.0}}, "keyed by member name"),
         ({"learning_rate": -1.0}, "learning_rate"),
         ({"max_log_ratio": True}, "max_log_ratio"),
+        ({"min_share": 1.0}, "min_share"),
+        ({"min_share": -0.1}, "min_share"),
+        ({"min_share": float("nan")}, "min_share"),
     ],
 )
 def test_bad_arguments_raise_config_error(kwargs: dict[str, object], match: str) -> None:
@@ -183,6 +186,63 @@ def test_a_weights_path_is_created_then_kept_up_to_date(tmp_path: Path) -> None:
         SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), weights=path)
     with pytest.raises(ConfigError, match="cannot write member-weights file"):
         SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), weights=tmp_path / "no" / "such" / "dir.json")
+
+
+def test_a_member_below_min_share_sits_the_request_out_and_the_rest_decide_as_without_it() -> None:
+    # c is everyone's second choice: with it, its candidate wins as a compromise (a and b each
+    # prefer their own); gated, the request is exactly the pair {a, b}.
+    likes = {
+        "a": {"A": 10.0, "B": 1.0, "C": 6.0},
+        "b": {"A": 1.0, "B": 10.0, "C": 6.0},
+        "c": {"A": 1.0, "B": 1.0, "C": 10.0},
+    }
+
+    def trio() -> list[ScriptedMember]:
+        return [
+            ScriptedMember(n, drafts=[(n.upper(), True)], scorer=lambda committed, cand, n=n: likes[n][cand.text])
+            for n in "abc"
+        ]
+
+    prior = {"a": 10.0, "b": 9.0, "c": 1.0}  # shares 0.50 / 0.45 / 0.05
+    open_trio = SpecEM(trio(), max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0))
+    assert open_trio.generate("q").text == "C"
+    members = trio()
+    gated = SpecEM(
+        members, max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0, min_share=0.1)
+    )
+    result = gated.generate("q")
+    assert members[2].calls == []  # never opened: no drafting, no scoring
+    assert [(e.member, e.stage, e.round) for e in result.excluded] == [("c", "gate", 0)]
+    assert "0.0500 is below min_share 0.1" in result.excluded[0].error
+    pair = SpecEM(trio()[:2], max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0))
+    expected = pair.generate("q")
+    assert result.text == expected.text == "A"
+    assert [s.weights for s in result.segments] == [s.weights for s in expected.segments]
+    assert result.to_dict()["excluded"][0]["stage"] == "gate"
+
+
+def test_the_best_weighted_drafter_is_never_gated() -> None:
+    drafter = ScriptedMember("small", drafts=[("x", True)])
+    judge = ScriptedMember("judge", can_draft=False)
+    weights = MemberWeights({"small": 1.0, "judge": 99.0}, min_share=0.5)
+    result = SpecEM([drafter, judge], max_new_tokens=2, weights=weights).generate("q")
+    assert result.text == "x"
+    assert result.excluded == []
+
+
+def test_a_learned_gate_fades_as_requests_accumulate_and_min_share_is_saved(tmp_path: Path) -> None:
+    w = MemberWeights(min_share=0.1)
+    w.cumulative = {"a": 2.0, "b": 2.0, "c": -4.0}  # c lost every comparison of the first request
+    w.requests = 1
+    assert set(w.gated(["a", "b", "c"])) == {"c"}
+    assert w.gated(["a", "c"]) == {"c": pytest.approx(w.start(["a", "c"])[1])}
+    assert w.gated(["c"]) == {}  # a lone verifier has the whole weight
+    w.requests = 400  # the same total reward spread over many requests moves log-weights by 4/20
+    assert w.gated(["a", "b", "c"]) == {}
+    w.save(tmp_path / "w.json")
+    assert MemberWeights.load(tmp_path / "w.json").min_share == 0.1
+    assert "min_share=0.1" in repr(w)
+    assert MemberWeights().gated(["a", "b"]) == {}  # off by default
 
 
 # -- leave-self-out ----------------------------------------------------------------------------

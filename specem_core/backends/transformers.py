@@ -84,8 +84,13 @@ class TransformersMember:
         self._eot_id = self._find_end_of_turn()
         self.stop_ids = frozenset(self._collect_stop_ids())
         self.pad_id = self._eot_id
-        # Control tokens other than the end of turn never belong in a drafted answer.
-        self.suppress_ids = sorted(_special_ids(tokenizer) - self.stop_ids)
+        # Control tokens other than the end of turn never belong in a drafted answer. A tokenizer
+        # may know more ids than the model has output rows (a token added after training, or on
+        # reloading a saved tokenizer): the model can never pick those, so only its own are banned.
+        outputs = _output_rows(model)
+        self.suppress_ids = sorted(t for t in _special_ids(tokenizer) - self.stop_ids if t < outputs)
+        self.stop_ids_in_vocab = sorted(t for t in self.stop_ids if t < outputs)
+        """The stop ids the model can emit (banned when ``ignore_eos``)."""
 
     @classmethod
     def from_pretrained(
@@ -539,7 +544,7 @@ class TransformersSession(MemberSession):
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, history: set[int]) -> int:
         torch = self._torch
         work = logits
-        banned = self._m.suppress_ids + (sorted(self._m.stop_ids) if sampling.ignore_eos else [])
+        banned = self._m.suppress_ids + (self._m.stop_ids_in_vocab if sampling.ignore_eos else [])
         if banned:
             work = work.clone()
             work[banned] = float("-inf")
@@ -614,6 +619,14 @@ class TransformersSession(MemberSession):
         for layer, (keys, values) in zip(self._cache.layers, snapshot, strict=True):
             layer.keys, layer.values = keys, values
         self._pass = score_pass
+
+
+def _output_rows(model: Any) -> int:
+    """How many token ids the model's head scores (its logits' width)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(getattr(model.config, "vocab_size", 0) or 1 << 62)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:
