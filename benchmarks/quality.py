@@ -419,6 +419,16 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
 
 def ifeval_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
     """Prompt-level strict pass/fail per key (the scorer's ``--details``)."""
+    return {str(d["key"]): bool(d["all_strict"]) for d in ifeval_details(recs)}
+
+
+def ifeval_instruction_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
+    """Instruction-level loose pass/fail per ``key/index`` (each instruction of each prompt)."""
+    return {f"{d['key']}/{i}": bool(ok) for d in ifeval_details(recs) for i, ok in enumerate(d["follow_loose"])}
+
+
+def ifeval_details(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The offline scorer's per-prompt details (``--details``)."""
     with tempfile.TemporaryDirectory() as tmp:
         responses, details = Path(tmp) / "r.jsonl", Path(tmp) / "d.jsonl"
         responses.write_text("".join(json.dumps({"key": r["key"], "response": r["response"]}) + "\n" for r in recs))
@@ -427,7 +437,7 @@ def ifeval_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
              str(EVAL_DIR / "ifeval_dev.jsonl"), "--subset", "--details", str(details)],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-        return {str(d["key"]): bool(d["all_strict"]) for d in map(json.loads, details.read_text().splitlines())}
+        return [json.loads(line) for line in details.read_text().splitlines()]
 
 
 def passes(task: str, recs: list[dict[str, Any]]) -> dict[str, bool]:
@@ -529,9 +539,30 @@ def analyze(against: str | None = None) -> str:
                 share if len(wins) > 1 else "–",
             ]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
+            if task == "ifeval":  # the goal names instruction-level loose too: paired per instruction
+                lines.append(_instruction_row(name, ref, recs, available[ref]))
     text = "\n".join(lines)
-    (RESULTS / "analysis.md").write_text(text + "\n")
+    (RESULTS / ("analysis.md" if against is None else f"analysis_vs_{against}.md")).write_text(text + "\n")
     return text
+
+
+def _instruction_row(name: str, ref: str, recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:
+    """IFEval instruction-level loose, paired instruction by instruction (an analysis table row)."""
+    keys = {str(r["key"]) for r in recs}
+    ours = ifeval_instruction_passes(recs)
+    theirs = {k: v for k, v in ifeval_instruction_passes(base).items() if k.split("/")[0] in keys}
+    units = [k for k in theirs if k in ours]
+    gains = sum(ours[k] and not theirs[k] for k in units)
+    losses = sum(theirs[k] and not ours[k] for k in units)
+    low, high = bootstrap_ci([int(ours[k]) - int(theirs[k]) for k in units])
+    cells = [
+        "ifeval (instr. loose)", name, f"{len(units)} instr.", ref,
+        f"{100 * sum(ours[k] for k in units) / len(units):.1f}",
+        f"{100 * sum(theirs[k] for k in units) / len(units):.1f}",
+        str(gains), str(losses), f"{sign_test(gains, losses):.2f}", f"[{low:+.1f}, {high:+.1f}]",
+        "–", "–", "–", "–",
+    ]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
 
 
 def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:

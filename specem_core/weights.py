@@ -6,10 +6,12 @@ reward ``max(wins, 1)/(N−1)²`` is 1 for both whatever happens, so nothing is 
 weights learned so far (times the prior), and after the request the verifiers' Hedge rewards are
 added to a running total. The weights are an anytime Hedge over requests:
 
-    w_m ∝ prior_m · exp(η0 · R_m / sqrt(T))
+    w_m ∝ prior_m · exp(η0 · R_m / sqrt(T_m))
 
 with R_m the sum over requests of member m's mean reward minus the members' mean (so a request
-where all members do equally well moves nothing) and T the number of requests that had a vote.
+where all members do equally well moves nothing) and T_m the number of requests that compared
+member m with others. A member absent from a request (not among its members, failed, or gated)
+is a sleeping expert: its weight neither learns nor fades while it is away.
 
 Example:
     >>> from specem_core.weights import MemberWeights
@@ -55,11 +57,11 @@ class MemberWeights:
             from the mean (keeps a member that loses a long run of requests able to come back).
         min_share: members whose weight share, among a request's verifiers, is below this sit
             the request out: they neither draft nor verify, and the result reports them as
-            excluded at stage ``"gate"``. This is what keeps a weak member from costing the
-            ensemble quality (its segments winning as everyone's second choice) and time. A gated
-            member is not observed, but the learning rate decays as 1/sqrt(requests), so its
-            learned penalty fades and it is let back in unless the prior alone keeps it out.
-            0 (the default) gates nobody; the best-weighted drafter is never gated.
+            excluded at stage ``"gate"``. This keeps a weak member from costing the ensemble
+            quality (its segments still win where other verifiers rate them highest) and time.
+            A gated member learns nothing more, so it stays out until the others' weights move,
+            the state is reset, or ``min_share`` is lowered. 0 (the default) gates nobody; the
+            best-weighted drafter is never gated.
 
     Thread-safe: concurrent requests read and update it under a lock.
     """
@@ -91,6 +93,8 @@ class MemberWeights:
         """Sum over requests of each member's centred mean Hedge reward (R_m)."""
         self.requests = 0
         """Requests that contributed (had at least one contested vote)."""
+        self.counts: dict[str, int] = {}
+        """Per member, the contributing requests it took part in (T_m)."""
         self.history: list[dict[str, float]] = []
         """The normalized weights after each contributing request (the last 10,000; to see how fast they settle)."""
         self.path: Path | None = None
@@ -156,6 +160,7 @@ class MemberWeights:
         with self._lock:
             for name, mean in means.items():
                 self.cumulative[name] = self.cumulative.get(name, 0.0) + (mean - centre)
+                self.counts[name] = self.counts.get(name, 0) + 1
             self.requests += 1
             names = sorted(set(self.prior) | set(self.cumulative))
             self.history.append({n: round(w, 6) for n, w in zip(names, self._weights(names), strict=True)})
@@ -187,10 +192,10 @@ class MemberWeights:
         if not names:
             return []
         fallback = sum(self.prior.values()) / len(self.prior) if self.prior else 1.0
-        scale = self.learning_rate / math.sqrt(self.requests) if self.requests else 0.0
         logs = []
         for name in names:
-            learned = scale * self.cumulative.get(name, 0.0)
+            seen = self.counts.get(name, 0)
+            learned = self.learning_rate * self.cumulative.get(name, 0.0) / math.sqrt(seen) if seen else 0.0
             learned = max(-self.max_log_ratio, min(self.max_log_ratio, learned))
             logs.append(math.log(self.prior.get(name, fallback)) + learned)
         top = max(logs)
@@ -210,6 +215,7 @@ class MemberWeights:
                 "min_share": self.min_share,
                 "cumulative": dict(self.cumulative),
                 "requests": self.requests,
+                "counts": dict(self.counts),
                 "history": list(self.history),
             }
 
@@ -231,10 +237,17 @@ class MemberWeights:
             )
             state.cumulative = {str(k): float(v) for k, v in (data.get("cumulative") or {}).items()}
             state.requests = int(data.get("requests", 0))
+            # states saved before per-member counts: every member took part in every request
+            counts = data.get("counts") or dict.fromkeys(state.cumulative, state.requests)
+            state.counts = {str(k): int(v) for k, v in counts.items()}
             state.history = [{str(k): float(v) for k, v in h.items()} for h in data.get("history") or []]
         except (TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"malformed SpecEM member-weights state: {exc}") from exc
-        if state.requests < 0 or any(not math.isfinite(v) for v in state.cumulative.values()):
+        if (
+            state.requests < 0
+            or any(v < 0 for v in state.counts.values())
+            or any(not math.isfinite(v) for v in state.cumulative.values())
+        ):
             raise ConfigError("malformed SpecEM member-weights state: negative request count or non-finite reward")
         return state
 

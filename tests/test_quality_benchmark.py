@@ -65,7 +65,7 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert path.read_text() == first
     recs = [json.loads(line) for line in first.splitlines()]
     assert len(recs) == 3
-    assert {"key", "response", "seconds", "rounds", "drafters_per_round", "wins", "trace"} <= set(recs[0])
+    assert {"key", "response", "seconds", "rounds", "drafters_per_round", "wins", "gated", "trace"} <= set(recs[0])
     assert recs[0]["trace"][0]["winner"] in ("smol", "qwen")
 
     quality.run("arc", ["qwen"], limit=None, seed=0)
@@ -87,6 +87,14 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert 0.0 <= float(cells[8]) <= 1.0  # sign test p
     best = quality.analyze()  # against the best member alone on each task
     assert "| arc | default | 3 |" in best
+    assert (quality.RESULTS / "analysis_vs_qwen.md").exists()
+    against_smol = quality.analyze("smollm2")
+    assert "| ifeval | default | 3 | smollm2 |" in against_smol
+    instr = next(line for line in against_smol.splitlines() if line.startswith("| ifeval (instr. loose) | default |"))
+    cells = [c.strip() for c in instr.strip("|").split("|")]
+    assert cells[2].endswith(" instr.")
+    assert int(cells[2].split()[0]) >= 3  # every instruction of the 3 prompts, paired
+    assert 0.0 <= float(cells[8]) <= 1.0
     replay = quality.explain("ifeval", "default")
     assert "ranks its own candidate first" in replay
     assert "| recorded |" in replay

@@ -230,19 +230,30 @@ def test_the_best_weighted_drafter_is_never_gated() -> None:
     assert result.excluded == []
 
 
-def test_a_learned_gate_fades_as_requests_accumulate_and_min_share_is_saved(tmp_path: Path) -> None:
+def test_a_gated_member_sleeps_and_min_share_and_counts_are_saved(tmp_path: Path) -> None:
     w = MemberWeights(min_share=0.1)
-    w.cumulative = {"a": 2.0, "b": 2.0, "c": -4.0}  # c lost every comparison of the first request
-    w.requests = 1
-    assert set(w.gated(["a", "b", "c"])) == {"c"}
+    for _ in range(9):
+        w.observe({"a": [1.0], "b": [1.0], "c": [0.0]})  # c loses every comparison
+    share = w.gated(["a", "b", "c"])["c"]
+    assert share == pytest.approx(math.exp(-3) / (2 + math.exp(-3)))  # log-weights apart by 9 * 1 / sqrt(9)
     assert w.gated(["a", "c"]) == {"c": pytest.approx(w.start(["a", "c"])[1])}
     assert w.gated(["c"]) == {}  # a lone verifier has the whole weight
-    w.requests = 400  # the same total reward spread over many requests moves log-weights by 4/20
-    assert w.gated(["a", "b", "c"]) == {}
+    for _ in range(100):  # requests it sat out: its own term stays at -6 / sqrt(9); a's and b's fade
+        w.observe({"a": [1.0], "b": [1.0]})
+    ab = math.exp(3 / math.sqrt(109))
+    assert w.gated(["a", "b", "c"])["c"] == pytest.approx(math.exp(-2) / (2 * ab + math.exp(-2)))
+    assert w.counts == {"a": 109, "b": 109, "c": 9}
     w.save(tmp_path / "w.json")
-    assert MemberWeights.load(tmp_path / "w.json").min_share == 0.1
+    again = MemberWeights.load(tmp_path / "w.json")
+    assert (again.min_share, again.counts) == (0.1, w.counts)
     assert "min_share=0.1" in repr(w)
     assert MemberWeights().gated(["a", "b"]) == {}  # off by default
+    old = json.loads((tmp_path / "w.json").read_text())
+    del old["counts"], old["min_share"]  # a state saved before either existed
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    legacy = MemberWeights.load(tmp_path / "old.json")
+    assert legacy.counts == {"a": 109, "b": 109, "c": 109}
+    assert legacy.min_share == 0.0
 
 
 # -- leave-self-out ----------------------------------------------------------------------------

@@ -142,7 +142,8 @@ class ChatSpecEM(BaseChatModel):
     member_weights: Any = None
     """Verifier weights learned across requests: a :class:`specem_core.weights.MemberWeights`
     or the path of its JSON state file (loaded if it exists, created otherwise, saved after each
-    request). ``None``: the paper's per-request weights."""
+    request). ``None``: the paper's per-request weights. ``MemberWeights(prior, min_share=0.1)``
+    also keeps members it has learned not to trust out of a request (``excluded`` in the trace)."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""

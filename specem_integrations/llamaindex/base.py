@@ -99,7 +99,8 @@ class SpecEMLLM(FunctionCallingLLM):
         description=(
             "Verifier weights learned across requests: a specem_core.weights.MemberWeights or the path of "
             "its JSON state file (loaded if it exists, created otherwise, saved after each request). "
-            "None: the paper's per-request weights."
+            "None: the paper's per-request weights. MemberWeights(prior, min_share=0.1) also keeps members "
+            "it has learned not to trust out of a request."
         ),
     )
     max_new_tokens: int | None = Field(
