@@ -2,6 +2,7 @@
 
     python benchmarks/llama_cpp_kernels.py                       # smollm2, qwen2.5-coder, gemma3
     python benchmarks/llama_cpp_kernels.py --models qwen2.5-coder-1.5b
+    python benchmarks/llama_cpp_kernels.py --requantize      # also each model requantized to Q4_1
 
 For flash attention on (llama.cpp's default, "auto") and off, it measures:
 
@@ -16,6 +17,9 @@ For flash attention on (llama.cpp's default, "auto") and off, it measures:
 
 The last two are why the llama.cpp backend gives each request a private context filled upwards
 (README, "A llama.cpp limitation"); the first bounds what batching concurrent requests can gain.
+``--requantize`` adds each model requantized to Q4_1 (SmolLM2's packaged type): batch invariance
+depends on the quantization type's kernels, and Q4_1's are batch-invariant with flash attention on
+(results: ``benchmarks/results/llama_cpp_kernels_q4_1.json``).
 Results: ``benchmarks/results/llama_cpp_kernels.json``.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +140,18 @@ class Probe:
         self.lib.llama_model_free(self.model)
 
 
+def requantize(source: Path, target: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1") -> Path:
+    """``source`` requantized (llama.cpp's own quantizer) to ``target``."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype)
+    params.allow_requantize = True
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise SystemExit(f"cannot requantize {source}")
+    return target
+
+
 def main() -> None:
     from specem_core.backends.llama_cpp import _lib, default_threads
     from specem_core.models import find_packaged, packaged_gguf
@@ -143,33 +160,43 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "qwen2.5-coder", "gemma3"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--requantize", action="store_true", help="also measure each model requantized to Q4_1")
     args = parser.parse_args()
     lib = _lib()
     modes = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
     results: dict[str, Any] = {"threads": args.threads, "models": {}}
     print(
-        f"{'model':<20} {'flash attn':<10} {'1 tok ms':>9} {'8 tok ms':>9} {'30 tok ms':>10} "
+        f"{'model':<28} {'flash attn':<10} {'1 tok ms':>9} {'8 tok ms':>9} {'30 tok ms':>10} "
         f"{'x8 batch':>9} {'x30 batch':>10} {'1/call vs batch':>16} {'lower cell':>11}"
     )
+    scratch = tempfile.TemporaryDirectory()
+    variants: list[tuple[str, Path]] = []
     for name in args.models:
         packaged = find_packaged(name)
         if packaged is None:
             raise SystemExit(f"unknown packaged model {name!r}")
-        probe = Probe(packaged_gguf(packaged), args.threads)
+        variants.append((name, packaged_gguf(packaged)))
+        if args.requantize:
+            target = Path(scratch.name) / f"{name}.gguf"
+            variants.append((f"{name} (Q4_1)", requantize(packaged_gguf(packaged), target)))
+    for name, path in variants:
+        probe = Probe(path, args.threads)
         results["models"][name] = {}
         for label, flash in modes.items():
             r = probe.measure(flash, args.repeats)
             results["models"][name][label] = r
             print(
-                f"{name:<20} {label:<10} {r['ms_1']:>9.1f} {r['ms_8']:>9.1f} {r['ms_30']:>10.1f} "
+                f"{name:<28} {label:<10} {r['ms_1']:>9.1f} {r['ms_8']:>9.1f} {r['ms_30']:>10.1f} "
                 f"{r['batch8_speedup']:>8.2f}x {r['batch30_speedup']:>9.2f}x "
                 f"{r['one_per_call_vs_batch']:>16.4f} {r['lower_cell_vs_in_order']:>11.4f}",
                 flush=True,
             )
         probe.close()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    scratch.cleanup()
+    out = RESULTS.with_name("llama_cpp_kernels_q4_1.json") if args.requantize else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

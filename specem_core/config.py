@@ -104,8 +104,9 @@ class SpecEMConfig:
     candidate's row instead of a decode step (speculative decoding with the other members as
     drafters). Each draft is the one the member makes alone, so decisions do not change (also in
     ``faithful`` mode); only the work does — up to the kernels' numerics: where llama.cpp is not
-    batch-invariant (Qwen2, Gemma 3 quantizations) a near tie can fall the other way, as it can
-    when a session adopts a winner's scored rows. Off: drafters run in member order without hints."""
+    batch-invariant (the packaged Qwen2 and Gemma 3 quantization types; Q4_1 is invariant) a near
+    tie can fall the other way, as it can when a session adopts a winner's scored rows. Off:
+    drafters run in member order without hints."""
     faithful: bool = False
     """Reproduce the authors' formulas exactly (see the class docstring)."""
     member_retries: int = 1

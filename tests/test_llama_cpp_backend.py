@@ -28,6 +28,13 @@ REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin a
 PACKAGED = {"llama": "smollm2", "qwen2": "qwen2.5-coder", "gemma3": "gemma3"}
 KINDS = list(PACKAGED)
 TOL = 1e-3  # raw logits, cached vs from scratch (the issue's bound)
+REQUANTIZED = {"qwen2-q4_1": "qwen2", "gemma3-q4_1": "gemma3"}
+"""The packaged Qwen2 and Gemma 3 weights requantized to Q4_1 (SmolLM2's type). llama.cpp's kernels
+for the packaged types (Q4_K, Q5_0, Q6_K, Q8_0) are not batch-invariant, but its Q4_1 kernels are
+(with flash attention on, llama.cpp's default: ``benchmarks/llama_cpp_kernels.py --requantize``),
+so on these the checks for the Qwen2 and Gemma 3 architectures are exact too."""
+EXACT = {"llama", *REQUANTIZED}
+"""Kinds whose kernels are batch-invariant: every check is held to 1e-3 (in fact 0.0)."""
 
 
 def _batch_noise(model: LlamaCppModel, ids: list[int]) -> float:
@@ -60,20 +67,33 @@ def _gguf(kind: str) -> Path:
     return packaged_gguf(model)
 
 
+def _requantize(source: Path, target: Path) -> Path:
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+    params.allow_requantize = True
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise RuntimeError(f"cannot requantize {source}")
+    return target
+
+
 @pytest.fixture(scope="module")
-def models() -> dict[str, LlamaCppModel]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LlamaCppModel]:
     loaded: dict[str, LlamaCppModel] = {}
     for kind in KINDS:
         try:
             loaded[kind] = LlamaCppModel(_gguf(kind), n_ctx=4096)
         except pytest.skip.Exception:
             continue
+    directory = tmp_path_factory.mktemp("q4_1")
+    for kind, base in REQUANTIZED.items():
+        if base in loaded:  # a few seconds each
+            loaded[kind] = LlamaCppModel(_requantize(_gguf(base), directory / f"{kind}.gguf"), n_ctx=4096)
     return loaded
 
 
 def _member(models: dict[str, LlamaCppModel], kind: str, **kw: Any) -> LlamaCppMember:
     if kind not in models:
-        pytest.skip(f"{PACKAGED[kind]} GGUF not installed")
+        pytest.skip(f"{PACKAGED[REQUANTIZED.get(kind, kind)]} GGUF not installed")
     return LlamaCppMember(models[kind], name=f"{kind}-{id(kw)}", **kw)
 
 
@@ -89,7 +109,9 @@ def _cands(draft_text: str, draft_ended: bool) -> list[Candidate]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "compact"), [*((k, False) for k in KINDS), ("llama", True)], ids=[*KINDS, "llama-compacting"]
+    ("kind", "compact"),
+    [*((k, False) for k in [*KINDS, *REQUANTIZED]), ("llama", True)],
+    ids=[*KINDS, *REQUANTIZED, "llama-compacting"],
 )
 def test_cached_scores_equal_a_from_scratch_evaluation(
     models: dict[str, LlamaCppModel], kind: str, compact: bool, monkeypatch: pytest.MonkeyPatch
@@ -139,13 +161,15 @@ def test_cached_scores_equal_a_from_scratch_evaluation(
     next_error = float(abs(session._next_logits - fresh).max())
     session.close()
     noise = _batch_noise(m.model, ids)
-    if kind == "llama":
+    if kind in EXACT:
         assert noise == 0.0  # batch-invariant here: the check is exact
+        assert worst <= TOL, worst
+        assert next_error <= TOL, next_error
     assert worst <= max(TOL, noise), (worst, noise)
     assert next_error <= max(TOL, noise), (next_error, noise)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, *REQUANTIZED])
 def test_draft_equals_naive_greedy(models: dict[str, LlamaCppModel], kind: str) -> None:
     m = _member(models, kind)
     session = m.open(REQ)
@@ -389,7 +413,24 @@ def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None
 
 
 # -- speculative drafting on the round's earlier candidates (SpecEMConfig.draft_hints) ----------
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "llama",
+        "qwen2",
+        pytest.param(
+            "qwen2-q4_1",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open: after the round where the draft follows a whole hint and wins, the next "
+                "round's hint pass scores one hint 0.073 away from a fresh evaluation on Qwen2 in Q4_1 "
+                "(draft and other scores exact); not seen on SmolLM2 or Gemma 3, and hidden by the "
+                "packaged Qwen types' batch noise",
+            ),
+        ),
+        "gemma3-q4_1",
+    ],
+)
 def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     models: dict[str, LlamaCppModel], kind: str
 ) -> None:
@@ -413,12 +454,12 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
         half = Candidate("half", lead.text[: max(1, len(lead.text) // 2)] + " zebra", False)
         full = Candidate("lead", lead.text, False)
         hints = {"half": [half], "lead": [full], "both": [full, half], "half+lead": [half, full]}[shown]
-        alone = naive_draft(m, prompt, follower._text, 3) if kind == "llama" else None
+        alone = naive_draft(m, prompt, follower._text, 3) if kind in EXACT else None
         follower._to_committed()  # a deferred commit is fed here, not counted below
         calls = m.model.decode_calls
         d = follower.draft(3, SamplingParams(), hints=hints, score_eos=True)
-        if kind == "llama":  # batch-invariant: the draft is the naive one exactly (Qwen2's kernels
-            assert (d.text, d.ended) == alone  # move logits by ~0.3, which flips near ties)
+        if kind in EXACT:  # batch-invariant: the draft is the naive one exactly (Qwen2's packaged
+            assert (d.text, d.ended) == alone  # Q4_K/Q5_0 kernels move logits by ~0.3: near ties flip)
         assert m.model.decode_calls - calls == 1 + 3 - d.reused - (0 if d.reused == 3 else 1)  # hint pass + own steps
         reused += d.reused
         other = Candidate("other", " and then", False)
@@ -446,13 +487,15 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]
     next_error = float(abs(follower._next_logits - fresh).max())
     after = follower.draft(3, SamplingParams())
-    if kind == "llama":
+    if kind in EXACT:
         assert (after.text, after.ended) == naive_draft(m, prompt, follower._text, 3)
     leader.close()
     follower.close()
     noise = _batch_noise(m.model, ids)
-    if kind == "llama":
+    if kind in EXACT:
         assert noise == 0.0  # batch-invariant under 64 tokens: the checks are exact
+        assert worst <= TOL, worst
+        assert next_error <= TOL, next_error
     assert worst <= max(TOL, noise), (worst, noise)
     assert next_error <= max(TOL, noise), (next_error, noise)
 
