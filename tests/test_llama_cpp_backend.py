@@ -21,6 +21,7 @@ from specem_core import (  # noqa: E402
     SpecEM,
     SpecEMConfig,
 )
+from specem_core.backends._drafts import common_prefix  # noqa: E402
 from specem_core.backends.llama_cpp import LlamaCppMember, LlamaCppModel, evaluate_from_scratch  # noqa: E402
 from specem_core.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
 
@@ -34,7 +35,27 @@ for the packaged types (Q4_K, Q5_0, Q6_K, Q8_0) are not batch-invariant, but its
 (with flash attention on, llama.cpp's default: ``benchmarks/llama_cpp_kernels.py --requantize``),
 so on these the checks for the Qwen2 and Gemma 3 architectures are exact too."""
 EXACT = {"llama", *REQUANTIZED}
-"""Kinds whose kernels are batch-invariant: every check is held to 1e-3 (in fact 0.0)."""
+"""Kinds whose kernels are batch-invariant while a sequence holds fewer than ``INVARIANT_BELOW``
+positions: checks on such sequences are held to 1e-3 (in fact 0.0)."""
+INVARIANT_BELOW = 64
+"""From 64 cached positions on, llama.cpp's attention takes another path and splitting a sequence
+into batches moves logits by ~0.2-0.3 even in Q4_1 (``_split_noise``)."""
+
+
+def _split_noise(model: LlamaCppModel, ids: list[int], tail: int = 4) -> float:
+    """How far the last ``tail`` positions' logits move when ``ids`` is decoded as one batch or as
+    ``ids[:-tail]`` then ``ids[-tail:]`` (what a cached session does)."""
+    from specem_core.backends.llama_cpp import _Work
+
+    whole = evaluate_from_scratch(model, ids, lambda i: i >= len(ids) - tail)
+    ctx = model.acquire_context()
+    try:
+        head = len(ids) - tail
+        ctx.decode(_Work(ids[:head], list(range(head)), [0] * head, [None] * head))
+        rows = ctx.decode(_Work(ids[head:], list(range(head, len(ids))), [0] * tail, [-1] * tail)).rows
+        return max(float(abs(rows[i] - whole[head + i]).max()) for i in range(tail))
+    finally:
+        model.release_context(ctx)
 
 
 def _batch_noise(model: LlamaCppModel, ids: list[int]) -> float:
@@ -413,24 +434,7 @@ def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None
 
 
 # -- speculative drafting on the round's earlier candidates (SpecEMConfig.draft_hints) ----------
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "llama",
-        "qwen2",
-        pytest.param(
-            "qwen2-q4_1",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open: after the round where the draft follows a whole hint and wins, the next "
-                "round's hint pass scores one hint 0.073 away from a fresh evaluation on Qwen2 in Q4_1 "
-                "(draft and other scores exact); not seen on SmolLM2 or Gemma 3, and hidden by the "
-                "packaged Qwen types' batch noise",
-            ),
-        ),
-        "gemma3-q4_1",
-    ],
-)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", *REQUANTIZED])
 def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     models: dict[str, LlamaCppModel], kind: str
 ) -> None:
@@ -446,6 +450,7 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     rounds = [("half", "own"), ("half", "half"), ("both", "other"), ("half+lead", "half"), ("both", "half")]
     rounds += [("half", "cut"), ("lead", "lead"), ("half", "own")]
     worst = reused = 0.0
+    worst_long = noise_long = 0.0  # rounds whose reference sequence reaches INVARIANT_BELOW positions
     merged_hints = 0  # winning hints that re-read committed tokens (a boundary merge)
     for shown, winner in rounds:
         lead = leader.draft(3, SamplingParams())
@@ -468,10 +473,21 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
         got = follower.score(cands, score_eos=True)
         assert m.model.decode_calls - calls == 1  # only the candidate that was not a hint
         want = naive_scores(m, prompt, follower._text, [(c.text, c.ended) for c in cands], True)
+        longest = max(len(m.encode_response(follower._text + c.text)) for c in cands) + len(prompt) + 1
         for g, (logit, logprob) in zip(got, want, strict=True):
             assert g.mean_logit is not None
             assert g.mean_logprob is not None
-            worst = max(worst, abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
+            error = max(abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
+            if longest < INVARIANT_BELOW:
+                worst = max(worst, error)
+            else:
+                worst_long = max(worst_long, error)
+        if longest >= INVARIANT_BELOW:  # what splitting each candidate's sequence alone moves
+            for c in cands:
+                tail = m.encode_response(follower._text + c.text)
+                cut = common_prefix(follower._resp_ids, tail)
+                span = max(1, len(tail) - cut)
+                noise_long = max(noise_long, _split_noise(m.model, prompt + tail, span))
         text = {"own": d.text, "half": half.text, "lead": full.text, "other": other.text, "cut": " Ber"}[winner]
         row = follower._rows.get(text)
         merged_hints += bool(row and row.hint and row.start < len(prompt) + len(follower._resp_ids))
@@ -491,11 +507,13 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
         assert (after.text, after.ended) == naive_draft(m, prompt, follower._text, 3)
     leader.close()
     follower.close()
-    noise = _batch_noise(m.model, ids)
+    noise = max(_batch_noise(m.model, ids), _split_noise(m.model, ids))
     if kind in EXACT:
-        assert noise == 0.0  # batch-invariant under 64 tokens: the checks are exact
-        assert worst <= TOL, worst
-        assert next_error <= TOL, next_error
+        assert worst <= TOL, worst  # batch-invariant under 64 positions: the checks are exact
+        if len(ids) < INVARIANT_BELOW:
+            assert noise == 0.0
+            assert next_error <= TOL, next_error
+    assert worst_long <= max(TOL, noise, 2 * noise_long), (worst_long, noise, noise_long)
     assert worst <= max(TOL, noise), (worst, noise)
     assert next_error <= max(TOL, noise), (next_error, noise)
 
