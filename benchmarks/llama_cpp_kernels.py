@@ -32,10 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TEXT = (
-    b"The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, "
-    b"there lived a king who"
-)
+TEXT = b"The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a king who"
 RESULTS = Path(__file__).parent / "results" / "llama_cpp_kernels.json"
 
 
@@ -140,20 +137,8 @@ class Probe:
         self.lib.llama_model_free(self.model)
 
 
-def requantize(source: Path, target: Path, ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1") -> Path:
-    """``source`` requantized (llama.cpp's own quantizer) to ``target``."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, ftype)
-    params.allow_requantize = True
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-        raise SystemExit(f"cannot requantize {source}")
-    return target
-
-
 def main() -> None:
-    from specem_core.backends.llama_cpp import _lib, default_threads
+    from specem_core.backends.llama_cpp import _lib, default_threads, requantize
     from specem_core.models import find_packaged, packaged_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

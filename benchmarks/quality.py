@@ -17,6 +17,7 @@ the project's offline scorer (``../shared/eval/ifeval_score.py``, needs ``if-ver
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -429,9 +430,15 @@ def ifeval_instruction_passes(recs: list[dict[str, Any]]) -> dict[str, bool]:
 
 def ifeval_details(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The offline scorer's per-prompt details (``--details``)."""
+    return _scored_details(tuple((r["key"], r["response"]) for r in recs))
+
+
+@functools.lru_cache(maxsize=64)
+def _scored_details(answers: tuple[tuple[Any, str], ...]) -> list[dict[str, Any]]:
+    """One scorer run per set of answers (``analyze`` asks for the same records several times)."""
     with tempfile.TemporaryDirectory() as tmp:
         responses, details = Path(tmp) / "r.jsonl", Path(tmp) / "d.jsonl"
-        responses.write_text("".join(json.dumps({"key": r["key"], "response": r["response"]}) + "\n" for r in recs))
+        responses.write_text("".join(json.dumps({"key": k, "response": text}) + "\n" for k, text in answers))
         subprocess.run(
             [sys.executable, str(EVAL_DIR / "ifeval_score.py"), str(responses), "--input",
              str(EVAL_DIR / "ifeval_dev.jsonl"), "--subset", "--details", str(details)],

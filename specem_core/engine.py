@@ -548,17 +548,13 @@ class _Run:
         verifiers = [i for i, m in enumerate(self.members) if m.can_verify]
         names = [self.members[i].name for i in verifiers]
         low = self.learned.gated(names)
-        if not low:
-            return set()
-        start = dict(zip(verifiers, self.learned.start(names), strict=True))
-        gated = {i for i in verifiers if self.members[i].name in low}
-        if not any(m.can_draft for i, m in enumerate(self.members) if i not in gated):
-            gated.discard(max((i for i in gated if self.members[i].can_draft), key=lambda i: start[i]))
-        for i in sorted(gated):
-            share = start[i]
-            reason = f"learned weight share {share:.4f} is below min_share {self.learned.min_share:g}"
+        share = {i: low[self.members[i].name] for i in verifiers if self.members[i].name in low}
+        if share and not any(m.can_draft for i, m in enumerate(self.members) if i not in share):
+            del share[max((i for i in share if self.members[i].can_draft), key=share.__getitem__)]
+        for i in sorted(share):
+            reason = f"learned weight share {share[i]:.4f} is below min_share {self.learned.min_share:g}"
             self.excluded.append(Exclusion(self.members[i].name, "gate", reason, 0))
-        return gated
+        return set(share)
 
     def _vote_choice(self, choices: list[str]) -> str:
         """The continuation the verifiers score best (uniform weights; ties → the first one)."""

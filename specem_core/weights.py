@@ -44,6 +44,13 @@ def _finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
+def _share(value: float) -> float:
+    """A validated ``min_share``."""
+    if not _finite(value) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"min_share must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 class MemberWeights:
     """Verifier weights shared by every request of an engine, learned online, savable as JSON.
 
@@ -84,11 +91,9 @@ class MemberWeights:
         for label, number in (("learning_rate", learning_rate), ("max_log_ratio", max_log_ratio)):
             if not _finite(number) or number < 0:
                 raise ConfigError(f"{label} must be a finite number >= 0, got {number!r}")
-        if not _finite(min_share) or not 0.0 <= min_share < 1.0:
-            raise ConfigError(f"min_share must be a number in [0, 1), got {min_share!r}")
         self.learning_rate = float(learning_rate)
         self.max_log_ratio = float(max_log_ratio)
-        self.min_share = float(min_share)
+        self.min_share = _share(min_share)
         self.cumulative: dict[str, float] = {}
         """Sum over requests of each member's centred mean Hedge reward (R_m)."""
         self.requests = 0
@@ -119,7 +124,7 @@ class MemberWeights:
         if Path(path).exists():
             state = cls.load(path)
             if "min_share" in options and options["min_share"] != state.min_share:
-                state.min_share = cls(min_share=options["min_share"]).min_share  # validated
+                state.min_share = _share(options["min_share"])
                 state.save(path)
         else:
             state = cls(prior, **options)

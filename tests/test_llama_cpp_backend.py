@@ -22,7 +22,12 @@ from specem_core import (  # noqa: E402
     SpecEMConfig,
 )
 from specem_core.backends._drafts import common_prefix  # noqa: E402
-from specem_core.backends.llama_cpp import LlamaCppMember, LlamaCppModel, evaluate_from_scratch  # noqa: E402
+from specem_core.backends.llama_cpp import (  # noqa: E402
+    LlamaCppMember,
+    LlamaCppModel,
+    evaluate_from_scratch,
+    requantize,
+)
 from specem_core.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
 
 REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])
@@ -88,15 +93,6 @@ def _gguf(kind: str) -> Path:
     return packaged_gguf(model)
 
 
-def _requantize(source: Path, target: Path) -> Path:
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
-    params.allow_requantize = True
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-        raise RuntimeError(f"cannot requantize {source}")
-    return target
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LlamaCppModel]:
     loaded: dict[str, LlamaCppModel] = {}
@@ -108,7 +104,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LlamaCppModel]
     directory = tmp_path_factory.mktemp("q4_1")
     for kind, base in REQUANTIZED.items():
         if base in loaded:  # a few seconds each
-            loaded[kind] = LlamaCppModel(_requantize(_gguf(base), directory / f"{kind}.gguf"), n_ctx=4096)
+            loaded[kind] = LlamaCppModel(requantize(_gguf(base), directory / f"{kind}.gguf"), n_ctx=4096)
     return loaded
 
 

@@ -1109,6 +1109,26 @@ def _incomplete_utf8(data: bytes) -> bool:
     return bool(decoder.getstate()[0])
 
 
+def requantize(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1"
+) -> Path:
+    """Write ``source`` requantized to ``ftype`` (llama.cpp's own quantizer) at ``target``.
+
+    Q4_1 is the type whose CPU kernels are batch-invariant (below 64 cached positions), so a member
+    requantized to it makes decisions that do not depend on how its tokens were batched.
+
+    Raises:
+        ModelNotFoundError: ``source`` cannot be read or requantized.
+    """
+    lib = _lib()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, ftype)
+    params.allow_requantize = True
+    if lib.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise ModelNotFoundError(f"cannot requantize {source} to {ftype}")
+    return Path(target)
+
+
 def evaluate_from_scratch(model: LlamaCppModel, ids: Sequence[int], positions: Callable[[int], bool]) -> dict[int, Any]:
     """Logit rows of ``ids`` evaluated in a fresh context (no cache reuse): the reference the
     tests and the naive loop compare the cached sessions with. ``positions(i)`` selects rows."""
