@@ -6,9 +6,10 @@
 
 Without ``--url`` it starts ``specem serve --port 0`` on loopback (``--model`` repeatable, default
 the embedded pair; ``--server-arg`` passes anything else, e.g. ``--server-arg=--backend=llamacpp``)
-and stops it at the end (with ``OMP_NUM_THREADS=1`` unless set: each concurrent request runs torch
-in its own worker thread). Every request is greedy, streams, asks for ``stream_options.include_usage``
-and, with ``--ignore-eos`` (default), produces exactly ``--max-tokens`` tokens.
+and stops it at the end (``--server-env KEY=VALUE`` sets its environment, e.g. ``OMP_NUM_THREADS=1``
+for ``--server-arg=--request-batch-size=1``, where concurrent requests run torch side by side).
+Every request is greedy, streams, asks for ``stream_options.include_usage`` and, with
+``--ignore-eos`` (default), produces exactly ``--max-tokens`` tokens.
 
 1. **Reference**: each prompt once, one client at a time: the answer every later run must match.
 2. **Levels** (``--clients 1,8,32,50``): N clients at once, client i asking prompt i mod P. Per
@@ -16,7 +17,9 @@ and, with ``--ignore-eos`` (default), produces exactly ``--max-tokens`` tokens.
    the first content chunk and to the end, errors (HTTP status, error events), malformed
    streams (no role chunk, no finish_reason, no usage, no ``[DONE]``, empty answer) and answers
    that differ from the reference (greedy, so they should not; a backend that batches requests
-   may change the last bits of a logit, which is reported, not hidden).
+   may change the last bits of a logit, which is reported, not hidden), throughput relative to
+   the one-client level of the same run, and for transformers members how many requests' decode
+   steps shared a forward pass (``/health``'s ``decode_batching``, rows per pass).
 3. **Disconnect** (``--disconnect 20``): that many clients start long answers, read the first
    content chunk and drop the connection. The server must come back to idle (``/health``:
    nothing running or queued, ``sessions_open == 0``, no engine worker thread) and its RSS
@@ -155,10 +158,12 @@ async def run_level(args: argparse.Namespace, clients: int, reference: dict[int,
     """``clients`` requests at once."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     timeout = httpx.Timeout(args.client_timeout, connect=30.0)
+    before = health(args).get("decode_batching", {})
     async with httpx.AsyncClient(base_url=args.url, headers=args.headers, limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
         answers = await asyncio.gather(*(stream_one(client, args, i % args.prompts) for i in range(clients)))
         wall = time.perf_counter() - start
+    batching = _batching_delta(before, health(args).get("decode_batching", {}))
     ok = [a for a in answers if a.error is None and not a.malformed]
     tokens = sum(a.completion_tokens for a in ok)
     mismatched = [a for a in ok if a.prompt in reference and a.text != reference[a.prompt]]
@@ -178,7 +183,25 @@ async def run_level(args: argparse.Namespace, clients: int, reference: dict[int,
         "total_p50_s": _percentile(total, 0.5),
         "total_p99_s": _percentile(total, 0.99),
         "finish_reasons": sorted({str(a.finish_reason) for a in ok}),
+        "decode_batching": batching,
     }
+
+
+def _batching_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per device queue during one level: decode passes and steps (rows per pass), verification
+    passes and blocks, the other passes, and the device seconds in each kind."""
+    out = {}
+    for device, now in after.items():
+        was = before.get(device, {})
+        counts = ("passes", "decode_steps", "score_passes", "score_blocks", "other_passes")
+        delta = {k: now[k] - was.get(k, 0) for k in counts}
+        seconds = ("decode_seconds", "score_seconds", "other_seconds")
+        delta.update({k: round(now[k] - was.get(k, 0.0), 3) for k in seconds})
+        delta["rows_per_pass"] = delta["decode_steps"] / delta["passes"] if delta["passes"] else None
+        score = delta["score_passes"]
+        delta["blocks_per_score_pass"] = delta["score_blocks"] / score if score else None
+        out[device] = delta
+    return out
 
 
 async def reference_answers(args: argparse.Namespace) -> dict[int, str]:
@@ -279,14 +302,18 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def report(result: dict[str, Any]) -> None:
     print()
     print(
-        "| clients | completed | errors | malformed | differ from 1-client | tokens | tokens/s "
-        "| first chunk p50 / p99 (s) | total p50 / p99 (s) |"
+        "| clients | completed | errors | malformed | differ from 1-client | tokens | tokens/s | × 1 client "
+        "| rows/pass | first chunk p50 / p99 (s) | total p50 / p99 (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    single = next((lv["tokens_per_s"] for lv in result["levels"] if lv["clients"] == 1), None)
     for lv in result["levels"]:
+        ratio = lv["tokens_per_s"] / single if single and lv["tokens_per_s"] else None
+        rows = [q["rows_per_pass"] for q in lv.get("decode_batching", {}).values() if q["rows_per_pass"]]
         print(
             f"| {lv['clients']} | {lv['completed']} | {len(lv['errors'])} | {len(lv['malformed'])} "
             f"| {len(lv['mismatched'])} | {lv['committed_tokens']} | {_fmt(lv['tokens_per_s'], '.1f')} "
+            f"| {_fmt(ratio)} | {_fmt(rows[0] if rows else None)} "
             f"| {_fmt(lv['first_chunk_p50_s'])} / {_fmt(lv['first_chunk_p99_s'])} "
             f"| {_fmt(lv['total_p50_s'])} / {_fmt(lv['total_p99_s'])} |"
         )
@@ -323,6 +350,9 @@ def main() -> None:
     parser.add_argument("--api-key-env", default=None, help="environment variable holding the server's key")
     parser.add_argument("--model", action="append", default=None, help="member of the started server (repeatable)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra argument of the started server")
+    parser.add_argument(
+        "--server-env", action="append", default=[], metavar="KEY=VALUE", help="environment of the started server"
+    )
     parser.add_argument("--max-concurrency", type=int, default=32, help="of the started server")
     parser.add_argument("--queue", type=int, default=64, help="of the started server")
     parser.add_argument("--model-name", default="specem")
@@ -351,7 +381,8 @@ def main() -> None:
         server_args += ["--max-concurrency", str(args.max_concurrency), "--queue", str(args.queue)]
         server_args += ["--no-access-log", *args.server_arg]
         print(f"starting specem serve {' '.join(server_args)} ...", file=sys.stderr, flush=True)
-        server = start_serve(server_args, api_key=key or None)
+        env = dict(item.split("=", 1) for item in args.server_env)
+        server = start_serve(server_args, api_key=key or None, env=env)
         args.url = server.url
         pid: int | None = server.pid
     else:
@@ -368,6 +399,7 @@ def main() -> None:
         "server": {
             "url": args.url,
             "args": server_args,
+            "env": args.server_env,
             "members": info.get("members"),
             "max_concurrency": info.get("max_concurrency"),
             "queue": info.get("queue"),

@@ -103,6 +103,14 @@ def _serve_parser(sub: Any) -> None:
     )
     serve.add_argument("--served-model-name", default="specem", help="the model id clients name (default specem)")
     serve.add_argument("--max-concurrency", type=int, default=8, help="requests running at once (default 8)")
+    serve.add_argument(
+        "--request-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="transformers members: at most N concurrent requests' decode steps share one forward pass "
+        "(default 16; 1: no batching across requests)",
+    )
     serve.add_argument("--queue", type=int, default=64, help="requests waiting for a slot; beyond: 429 (default 64)")
     serve.add_argument(
         "--request-timeout",
@@ -210,6 +218,22 @@ def _load_members(args: argparse.Namespace, err: TextIO, *, api_key_env: str | N
     return [load(s) for s in specs] + [load(s, can_draft=False) for s in args.verifier]
 
 
+def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:
+    """Apply ``--request-batch-size`` to the members that batch across requests (transformers)."""
+    if size is None:
+        return
+    batching = [m for m in members if hasattr(m, "request_batch_size")]
+    for member in batching:
+        member.request_batch_size = size
+    if not batching:
+        print(
+            "specem serve: note: --request-batch-size applies to transformers members; "
+            "llama.cpp and server members run each request's passes on their own",
+            file=err,
+            flush=True,
+        )
+
+
 def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from specem_core.engine import SpecEM
 
@@ -310,6 +334,8 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.queue < 0:
         raise SpecEMError(f"--queue must be at least 0, got {args.queue}")
+    if args.request_batch_size is not None and args.request_batch_size < 1:
+        raise SpecEMError(f"--request-batch-size must be at least 1, got {args.request_batch_size}")
     if args.request_timeout < 0 or args.graceful_timeout < 0:
         raise SpecEMError("--request-timeout and --graceful-timeout must be >= 0")
     if not 0 <= args.port <= 65535:
@@ -328,6 +354,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(str(exc)) from None
     try:
         members = _load_members(args, err, api_key_env=args.member_api_key_env)
+        _set_request_batch_size(members, args.request_batch_size, err)
         engine = SpecEM(members, config, weights=weights)
         app = create_app(
             engine,

@@ -171,8 +171,9 @@ def load_member(
             files), ``"transformers"`` or ``"llamacpp"``; a ``llamacpp:`` spec prefix wins.
         api_key_env: for server specs, the environment variable holding the API key (the key
             itself never appears in a spec).
-        **kwargs: backend options: transformers' ``from_pretrained`` arguments, or llama.cpp's
-            ``n_ctx``, ``n_threads``, ``max_contexts``, ``n_gpu_layers``, ``chat_template``.
+        **kwargs: backend options: transformers' ``from_pretrained`` arguments (and the member's
+            ``chat_template`` and ``request_batch_size``), or llama.cpp's ``n_ctx``, ``n_threads``,
+            ``max_contexts``, ``n_gpu_layers``, ``chat_template``.
 
     Raises:
         ModelNotFoundError: unknown name or backend, missing path, or weights that cannot be loaded.
@@ -248,6 +249,9 @@ def _load_transformers(
         source = resolved.source
         default_name = Path(spec).name.removesuffix(".gguf")
         draft = True if can_draft is None else can_draft
+    options: dict[str, Any] = {"chat_template": kwargs.pop("chat_template", None)}
+    if "request_batch_size" in kwargs:
+        options["request_batch_size"] = kwargs.pop("request_batch_size")
     key = (source, str(device), str(dtype))
     with _LOCK:
         loaded = _LOADED.get(key)
@@ -257,7 +261,9 @@ def _load_transformers(
             _LOADED.setdefault(key, (member.model, member.tokenizer))
             loaded = _LOADED[key]
     model, tokenizer = loaded
-    return TransformersMember(model, tokenizer, name=name or default_name, can_draft=draft, can_verify=can_verify)
+    return TransformersMember(
+        model, tokenizer, name=name or default_name, can_draft=draft, can_verify=can_verify, **options
+    )
 
 
 def _load_llama_cpp(

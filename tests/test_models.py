@@ -89,6 +89,12 @@ def test_local_directory_member_loads(tmp_path: Path) -> None:
     assert member.name == "t"
     assert member.chat.uses_template
     assert member.context_window == 512
+    assert member.request_batch_size == 16
+    # member options reach the member (the weights loaded above are shared, not reloaded)
+    other = registry.load_member(str(tmp_path / "tiny"), chat_template=tiny.TURNS, request_batch_size=1)
+    assert other.model is member.model
+    assert other.request_batch_size == 1
+    assert "<start_of_turn>user" in other.chat.render([{"role": "user", "content": "hi"}], None)
 
 
 @pytest.mark.slow

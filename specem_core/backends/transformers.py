@@ -12,6 +12,9 @@ How a session keeps SpecEM linear (SPEC §2):
 * Verification is one forward pass over all other candidates, batched on the shared cache.
 * The winner's KV rows from that pass become the new cache; the rest is dropped.
 * Only the positions that are scored go through the LM head.
+* Concurrent requests share the device: their forward passes run one at a time, and the one-token
+  decode steps that several sessions of one model wait on are merged into one padded pass
+  (:mod:`specem_core.backends._batching`; ``request_batch_size=1`` turns this off).
 
 Text is the source of truth: the committed response ``R`` is re-encoded as a whole
 (``enc(R + candidate)``) and compared with the cached ids, and the cache is rolled back to the
@@ -24,14 +27,16 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specem_core.backends._batching import BatchStats, DeviceQueue, Step, device_queue
 from specem_core.backends._drafts import DraftState, common_prefix, plan_scores
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
 from specem_core.chat_format import ChatFormat
-from specem_core.errors import ContextWindowError, ModelNotFoundError
+from specem_core.errors import ConfigError, ContextWindowError, ModelNotFoundError
 from specem_core.gguf import validate_gguf
 from specem_core.types import Candidate, CandidateScore, Draft
 
@@ -60,6 +65,8 @@ class TransformersMember:
         can_verify: this member scores candidates.
         chat_template: overrides the tokenizer's template; ``None`` keeps it (a tokenizer without
             one uses the plain format of :mod:`specem_core.chat_format`).
+        request_batch_size: at most this many concurrent sessions' decode steps share one forward
+            pass (see :attr:`request_batch_size`); 1 turns cross-request batching off.
     """
 
     def __init__(
@@ -71,7 +78,9 @@ class TransformersMember:
         can_draft: bool = True,
         can_verify: bool = True,
         chat_template: str | None = None,
+        request_batch_size: int = 16,
     ) -> None:
+        self.request_batch_size = request_batch_size
         self.model = model.eval()
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -107,6 +116,7 @@ class TransformersMember:
         can_draft: bool = True,
         can_verify: bool = True,
         chat_template: str | None = None,
+        request_batch_size: int = 16,
         **model_kwargs: Any,
     ) -> TransformersMember:
         """Load a model from an HF id, a local directory, or a GGUF file.
@@ -118,6 +128,7 @@ class TransformersMember:
                 ``torch.dtype``.
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``…; default CUDA when available.
             device_map: passed to transformers (e.g. ``"auto"`` to spread a large model over GPUs).
+            request_batch_size: see :attr:`request_batch_size`.
 
         Raises:
             ModelNotFoundError: nothing loadable at that id or path; a local GGUF file that is
@@ -162,7 +173,143 @@ class TransformersMember:
             can_draft=can_draft,
             can_verify=can_verify,
             chat_template=chat_template,
+            request_batch_size=request_batch_size,
         )
+
+    # -- cross-request batching -------------------------------------------------------------
+    @property
+    def request_batch_size(self) -> int:
+        """At most this many concurrent requests' one-token decode steps share a forward pass.
+
+        With more than 1 (default 16), every forward pass of a member on this device goes through
+        one queue: passes run one at a time, and the decode steps that sessions drafting at the
+        same time wait on are merged into one left-padded batch (each row keeps its own positions
+        and mask). A lone request takes the unbatched path, so its numerics do not change; merged
+        rows agree with it up to floating-point rounding. 1 restores the unqueued behaviour
+        (concurrent requests run their passes side by side).
+        """
+        return self._request_batch_size
+
+    @request_batch_size.setter
+    def request_batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"request_batch_size must be an integer >= 1, got {value!r}")
+        self._request_batch_size = value
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What the device queue did so far (shared by the members on this device), or ``None``
+        when batching is off."""
+        queue = self._queue()
+        return queue.stats if queue is not None else None
+
+    def _queue(self) -> DeviceQueue | None:
+        return device_queue(str(self._device)) if self._request_batch_size > 1 else None
+
+    def _decode_rows(self, steps: Sequence[Step[tuple[TransformersSession, int]]]) -> list[Any]:
+        """One forward pass for several sessions' one-token steps; next-token logits per step.
+
+        Each session's cache is left-padded to the longest and stacked; the attention mask hides
+        the padding and ``position_ids`` keep each row's own positions, so a row computes what the
+        session would alone (up to rounding). The new KV row goes back to each session's cache.
+        """
+        torch = _torch()
+        sessions = [s.payload[0] for s in steps]
+        if len(steps) == 1 or not all(s._batchable() for s in sessions):
+            return [sess._forward([step.payload[1]]) for sess, step in zip(sessions, steps, strict=True)]
+        lengths = [sess._cache_len() for sess in sessions]
+        width, rows = max(lengths), len(sessions)
+        with torch.inference_mode():
+            stacked = _stack_prefixes([(sess._cache.layers, n, 1) for sess, n in zip(sessions, lengths, strict=True)])
+            mask = torch.zeros((rows, width + 1), dtype=torch.long, device=self._device)
+            for row, n in enumerate(lengths):
+                mask[row, width - n :] = 1
+            output = self.model(
+                input_ids=torch.tensor([[step.payload[1]] for step in steps], dtype=torch.long, device=self._device),
+                attention_mask=mask,
+                position_ids=torch.tensor([[n] for n in lengths], dtype=torch.long, device=self._device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_arg: stacked},
+            )
+            merged_layers: list[Any] = list(stacked.layers)
+            for row, sess in enumerate(sessions):
+                for layer, merged in zip(sess._cache.layers, merged_layers, strict=True):
+                    layer.keys = torch.cat([layer.keys, merged.keys[row : row + 1, :, -1:, :]], dim=-2)
+                    layer.values = torch.cat([layer.values, merged.values[row : row + 1, :, -1:, :]], dim=-2)
+            logits = output.logits[:, -1].float()
+            return [logits[row].clone() for row in range(rows)]
+
+    def _score_steps(self, steps: Sequence[Step[_ScoreJob]]) -> list[_Block]:
+        return self._score_blocks([step.payload for step in steps])
+
+    def _score_blocks(self, jobs: Sequence[_ScoreJob]) -> list[_Block]:
+        """One forward pass for the verification blocks of one or more sessions.
+
+        Alone, a session's candidate rows share its cache (expanded, no copy). Several sessions'
+        rows are stacked like decode steps: each session's prefix left-padded to the longest and
+        copied into its rows, the candidates right-padded, positions per row.
+        """
+        torch = _torch()
+        with torch.inference_mode():
+            if len(jobs) == 1 or not all(job.session._batchable() for job in jobs):
+                return [self._score_alone(job) for job in jobs]
+            width = max(job.width for job in jobs)
+            length = max(job.base for job in jobs)
+            offset = min(job.first_scored - 1 for job in jobs)
+            rows = sum(len(job.seqs) for job in jobs)
+            stacked = _stack_prefixes([(job.session._cache.layers, job.base, len(job.seqs)) for job in jobs])
+            mask = torch.ones((rows, length + width), dtype=torch.long, device=self._device)
+            input_ids, positions = [], []
+            row = 0
+            for job in jobs:
+                for seq in job.seqs:
+                    mask[row, : length - job.base] = 0
+                    input_ids.append(seq + [self.pad_id] * (width - len(seq)))
+                    positions.append(list(range(job.base, job.base + width)))
+                    row += 1
+            output = self.model(
+                input_ids=torch.tensor(input_ids, dtype=torch.long, device=self._device),
+                attention_mask=mask,
+                position_ids=torch.tensor(positions, dtype=torch.long, device=self._device),
+                use_cache=True,
+                logits_to_keep=width - offset,
+                **{self._cache_arg: stacked},
+            )
+            logits = output.logits.float()
+            merged: list[Any] = [(layer.keys, layer.values) for layer in stacked.layers]
+            blocks, row = [], 0
+            for job in jobs:
+                n = len(job.seqs)
+                layers_of_job = [(k[row : row + n], v[row : row + n]) for k, v in merged]
+                blocks.append(_Block(logits[row : row + n], layers_of_job, length - job.base, offset))
+                row += n
+            return blocks
+
+    def _score_alone(self, job: _ScoreJob) -> _Block:
+        """One session's block on its own cache, expanded to the candidates (the unbatched path)."""
+        torch = _torch()
+        session = job.session
+        cache = session._cache
+        keep = job.width - (job.first_scored - 1)
+        snapshot = [(layer.keys, layer.values) for layer in cache.layers]
+        session._set_length(job.base)
+        batch = len(job.seqs)
+        if batch > 1:
+            for layer in cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.keys = layer.keys.expand(batch, -1, -1, -1)
+                    layer.values = layer.values.expand(batch, -1, -1, -1)
+        input_ids = torch.tensor(
+            [s + [self.pad_id] * (job.width - len(s)) for s in job.seqs], dtype=torch.long, device=self._device
+        )
+        try:
+            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: cache})
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+        finally:
+            for layer, (keys, values) in zip(cache.layers, snapshot, strict=True):
+                layer.keys, layer.values = keys, values
+        return _Block(output.logits.float(), layers, 0, job.width - keep)
 
     # -- Member protocol --------------------------------------------------------------------
     @property
@@ -173,7 +320,11 @@ class TransformersMember:
 
     @property
     def concurrency_key(self) -> str:
-        """The device holding the input embeddings."""
+        """The device holding the input embeddings; with cross-request batching on, the device and
+        the model: the device queue runs one pass at a time anyway, so members on one device draft
+        side by side, and every request then has steps waiting for each model's next merged pass."""
+        if self._request_batch_size > 1:
+            return f"torch:{self._device}#{id(self.model):x}"
         return f"torch:{self._device}"
 
     def open(self, request: SessionRequest) -> TransformersSession:
@@ -275,7 +426,35 @@ class _Row:
 class _ScorePass:
     base: int
     layers: list[tuple[Any, Any]]
+    pad: int = 0
+    """Columns of left padding before the rows' KV (a pass merged with other sessions')."""
     rows: dict[str, _Row] = field(default_factory=dict)
+
+
+@dataclass
+class _ScoreJob:
+    """One session's verification block: candidate rows on its committed prefix cut at ``base``."""
+
+    session: TransformersSession
+    base: int
+    seqs: list[list[int]]
+    """Per candidate: the tokens fed after ``base`` (the re-read prefix tail, the candidate, EOS)."""
+    first_scored: int
+    """The first row position whose token is scored (its logits come from the position before)."""
+
+    @property
+    def width(self) -> int:
+        return max(len(s) for s in self.seqs)
+
+
+@dataclass
+class _Block:
+    """A verification block's result: logits of row positions ``offset`` .. and the rows' KV."""
+
+    logits: Any
+    layers: list[tuple[Any, Any]]
+    pad: int
+    offset: int
 
 
 class TransformersSession(MemberSession):
@@ -345,7 +524,9 @@ class TransformersSession(MemberSession):
         ids: list[int] = []
         scores: list[tuple[float, float]] = []
         eos_score: tuple[float, float] | None = None
-        with torch.inference_mode():
+        queue = self._m._queue()
+        drafting = queue.drafting((id(self._m.model), "decode")) if queue is not None else nullcontext()
+        with torch.inference_mode(), drafting:
             while True:
                 if allowed_first and not ids:
                     mask = torch.full_like(logits, float("-inf"))
@@ -458,9 +639,10 @@ class TransformersSession(MemberSession):
                     self._next_logits = self._feed(unfed)
             elif score_pass is not None and text in score_pass.rows and score_pass.rows[text].full_ids == full:
                 row = score_pass.rows[text]
+                cut = slice(score_pass.pad, score_pass.pad + row.cache_len)
                 for layer, (keys, values) in zip(self._cache.layers, score_pass.layers, strict=True):
-                    layer.keys = keys[row.batch_index : row.batch_index + 1, :, : row.cache_len, :]
-                    layer.values = values[row.batch_index : row.batch_index + 1, :, : row.cache_len, :]
+                    layer.keys = keys[row.batch_index : row.batch_index + 1, :, cut, :]
+                    layer.values = values[row.batch_index : row.batch_index + 1, :, cut, :]
                 self._next_logits = row.next_logits
             else:
                 self._extend_to(full)
@@ -493,7 +675,29 @@ class TransformersSession(MemberSession):
         return len(self._prompt_ids) + len(self._resp_ids)
 
     def _feed(self, ids: Sequence[int]) -> Any:
-        """Run ``ids`` through the model on top of the cache; return next-token logits (fp32)."""
+        """Run ``ids`` through the model on top of the cache; return next-token logits (fp32).
+
+        Through the device queue when batching is on: a one-token step may share its pass with
+        other sessions' steps, anything else waits for the device.
+        """
+        queue = self._m._queue()
+        if queue is None:
+            return self._forward(ids)
+        if len(ids) == 1 and self._cache_len() > 0:
+            member = self._m
+            step = Step((id(member.model), "decode"), (self, ids[0]), member._decode_rows, member.request_batch_size)
+            return queue.step(step)
+        return queue.exclusive(lambda: self._forward(ids))
+
+    def _batchable(self) -> bool:
+        """Whether this session's cache can be stacked with others' (one row, every layer filled)."""
+        layers = self._cache.layers
+        return bool(layers) and all(
+            getattr(layer, "is_initialized", False) and layer.keys.shape[0] == 1 for layer in layers
+        )
+
+    def _forward(self, ids: Sequence[int]) -> Any:
+        """The unqueued pass of :meth:`_feed`."""
         torch = self._torch
         with torch.inference_mode():
             input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._m._device)
@@ -575,8 +779,8 @@ class TransformersSession(MemberSession):
     def _score_batch(
         self, pending: list[tuple[int, str, list[int], int, bool]], out: list[CandidateScore | None]
     ) -> None:
-        """One forward pass scoring ``pending`` candidates batched on the shared cache."""
-        torch = self._torch
+        """One forward pass scoring ``pending`` candidates batched on the shared cache (merged with
+        other sessions' verification blocks when batching across requests)."""
         prompt_len = len(self._prompt_ids)
         committed = self._prompt_ids + self._resp_ids
         base = min(prompt_len + lcp for _, _, _, lcp, _ in pending) - 1
@@ -584,41 +788,69 @@ class TransformersSession(MemberSession):
         for _, _, full, lcp, with_eos in pending:
             seq = committed[base : prompt_len + lcp] + full[lcp:]
             seqs.append(seq + ([self._m._eot_id] if with_eos else []))
-        width = max(len(s) for s in seqs)
         first_scored = min(prompt_len + lcp - base for _, _, _, lcp, _ in pending)
-        keep = width - (first_scored - 1)
-        snapshot = [(layer.keys, layer.values) for layer in self._cache.layers]
-        self._set_length(base)
-        batch = len(seqs)
-        if batch > 1:
-            for layer in self._cache.layers:
-                if getattr(layer, "is_initialized", False):
-                    layer.keys = layer.keys.expand(batch, -1, -1, -1)
-                    layer.values = layer.values.expand(batch, -1, -1, -1)
-        input_ids = torch.tensor(
-            [s + [self._m.pad_id] * (width - len(s)) for s in seqs], dtype=torch.long, device=self._m._device
-        )
-        output = self._m.model(
-            input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self._m._cache_arg: self._cache}
-        )
-        logits = output.logits.float()  # [batch, keep, vocab]: positions width-keep .. width-1
+        job = _ScoreJob(self, base, seqs, first_scored)
+        queue = self._m._queue()
+        if queue is None:
+            block = self._m._score_blocks([job])[0]
+        else:
+            member = self._m
+            group = (id(member.model), "score")
+            block = queue.step(Step(group, job, member._score_steps, member.request_batch_size, kind="score"))
+        self._finish_score(pending, job, block, out)
+
+    def _finish_score(
+        self,
+        pending: list[tuple[int, str, list[int], int, bool]],
+        job: _ScoreJob,
+        block: _Block,
+        out: list[CandidateScore | None],
+    ) -> None:
+        """Scores from the block's logits; the block's KV rows are kept in case a candidate wins."""
+        torch = self._torch
+        logits = block.logits  # [rows, kept, vocab]: row positions block.offset ..
         logprobs = torch.log_softmax(logits, dim=-1)
-        offset = width - keep
-        score_pass = _ScorePass(base=base, layers=[(layer.keys, layer.values) for layer in self._cache.layers])
-        for b, ((n, text, full, lcp, with_eos), seq) in enumerate(zip(pending, seqs, strict=True)):
-            start = prompt_len + lcp - base  # first scored position in the row
+        prompt_len = len(self._prompt_ids)
+        score_pass = _ScorePass(base=job.base, layers=block.layers, pad=block.pad)
+        for b, ((n, text, full, lcp, with_eos), seq) in enumerate(zip(pending, job.seqs, strict=True)):
+            start = prompt_len + lcp - job.base  # first scored position in the row
             targets = seq[start:]
-            positions = torch.arange(start - 1, len(seq) - 1, device=logits.device) - offset
+            positions = torch.arange(start - 1, len(seq) - 1, device=logits.device) - block.offset
             target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
             raw = logits[b, positions, target_ids]
             lps = logprobs[b, positions, target_ids]
             out[n] = CandidateScore(mean_logit=float(raw.mean()), mean_logprob=float(lps.mean()), n_tokens=len(targets))
             text_end = len(seq) - (1 if with_eos else 0)  # row positions holding the candidate's text
-            if text_end - 1 - offset >= 0 and (text not in score_pass.rows or not with_eos):
-                score_pass.rows[text] = _Row(b, full, base + text_end, logits[b, text_end - 1 - offset].clone())
-        for layer, (keys, values) in zip(self._cache.layers, snapshot, strict=True):
-            layer.keys, layer.values = keys, values
+            if text_end - 1 - block.offset >= 0 and (text not in score_pass.rows or not with_eos):
+                next_logits = logits[b, text_end - 1 - block.offset].clone()
+                score_pass.rows[text] = _Row(b, full, job.base + text_end, next_logits)
         self._pass = score_pass
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _stack_prefixes(parts: Sequence[tuple[Any, int, int]]) -> Any:
+    """A ``DynamicCache`` holding, per part ``(cache layers, length, rows)``, ``rows`` copies of the
+    first ``length`` cached positions, left-padded with zeros to the longest part."""
+    from transformers import DynamicCache
+
+    longest = max(length for _, length, _ in parts)
+    total = sum(rows for _, _, rows in parts)
+    stacked = DynamicCache()
+    for index, layers in enumerate(zip(*(layers for layers, _, _ in parts), strict=True)):
+        keys = layers[0].keys.new_zeros((total, layers[0].keys.shape[1], longest, layers[0].keys.shape[3]))
+        values = layers[0].values.new_zeros((total, layers[0].values.shape[1], longest, layers[0].values.shape[3]))
+        row = 0
+        for layer, (_, length, rows) in zip(layers, parts, strict=True):
+            keys[row : row + rows, :, longest - length :, :] = layer.keys[:, :, :length, :]
+            values[row : row + rows, :, longest - length :, :] = layer.values[:, :, :length, :]
+            row += rows
+        stacked.update(keys, values, index)
+    return stacked
 
 
 def _output_rows(model: Any) -> int:

@@ -389,10 +389,34 @@ class _Server:
                 "sessions_open": self.sessions.open if self.count_sessions else None,
                 "sessions_opened_total": self.sessions.opened_total if self.count_sessions else None,
                 "engine_workers": self.engine_workers(),
+                "decode_batching": self.decode_batching(),
                 "requests": self.stats.to_dict(),
                 "uptime_s": round(time.time() - self.started, 3),
             }
         )
+
+    def decode_batching(self) -> dict[str, dict[str, Any]]:
+        """Per device queue (transformers members batching across requests): passes that served
+        decode steps, the steps, how many shared a pass on average and at most; verification
+        passes and the blocks they served; other passes (prefills, rollbacks); device seconds
+        in each kind."""
+        out: dict[str, dict[str, Any]] = {}
+        for member in self.engine.members:
+            stats = getattr(member, "batch_stats", None)
+            if stats is not None and f"torch:{stats.device}" not in out:
+                out[f"torch:{stats.device}"] = {
+                    "passes": stats.passes,
+                    "decode_steps": stats.steps,
+                    "rows_per_pass": round(stats.rows_per_pass, 3),
+                    "largest": stats.largest,
+                    "score_passes": stats.score_passes,
+                    "score_blocks": stats.score_blocks,
+                    "other_passes": stats.exclusive,
+                    "decode_seconds": round(stats.decode_s, 3),
+                    "score_seconds": round(stats.score_s, 3),
+                    "other_seconds": round(stats.exclusive_s, 3),
+                }
+        return out
 
     def _model(self) -> dict[str, Any]:
         return {

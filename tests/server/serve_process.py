@@ -114,9 +114,9 @@ def start_serve(
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TRANSFORMERS_OFFLINE", "1")
     child_env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # one torch thread per request: concurrent requests each run torch, and intra-op threads
-    # spinning on a small shared CPU make every request several times slower
-    child_env.setdefault("OMP_NUM_THREADS", "1")
+    # (no OMP_NUM_THREADS here: transformers members run one forward pass at a time per device,
+    # batching concurrent requests' decode steps, so a pass may use every core; a benchmark of
+    # --request-batch-size 1, where requests run their passes side by side, sets it to 1 itself)
     child_env.update(env or {})
     if api_key is not None:
         child_env["SPECEM_TEST_SERVER_KEY"] = api_key

@@ -1,0 +1,273 @@
+"""Cross-request batching: the device queue's scheduling, merged decode steps equal each session's
+own step on every architecture, and concurrent requests share passes and answer as they would alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import tiny
+
+from specem_core import SamplingParams, SessionRequest, SpecEM, SpecEMConfig
+from specem_core.backends._batching import DeviceQueue, Step
+from specem_core.backends.transformers import TransformersMember
+from specem_core.errors import ConfigError
+from specem_core.reference import naive_draft, naive_scores
+
+KINDS = ["llama", "qwen2", "gemma3"]
+PROMPTS = [
+    "Tell me about Paris.",
+    "Hello world! How are you today? Numbers: 12345 678 90 3.14159 42",
+    "def add(a, b): return a + b",
+]
+
+
+def _request(text: str) -> SessionRequest:
+    return SessionRequest([{"role": "user", "content": text}])
+
+
+# -- the queue ----------------------------------------------------------------------------------
+def test_queue_runs_one_pass_at_a_time_and_merges_waiting_steps() -> None:
+    queue = DeviceQueue(gather_s=0.05)
+    running = threading.Lock()
+    overlaps: list[int] = []
+    served: list[list[int]] = []
+
+    def run(steps: Any) -> list[int]:
+        if not running.acquire(blocking=False):
+            overlaps.append(1)
+            return [0] * len(steps)
+        try:
+            served.append([s.payload for s in steps])
+            time.sleep(0.02)
+            return [s.payload * 10 for s in steps]
+        finally:
+            running.release()
+
+    def worker(i: int) -> list[int]:
+        out = []
+        with queue.drafting("model"):
+            for k in range(5):
+                out.append(queue.step(Step("model", i * 100 + k, run, max_rows=8)))
+                if k == 2:
+                    queue.exclusive(lambda: run([]))  # a prefill or verification pass in between
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(worker, range(4)))
+    assert results == [[(i * 100 + k) * 10 for k in range(5)] for i in range(4)]
+    assert not overlaps
+    assert queue.stats.steps == 20
+    assert queue.stats.largest >= 2  # the four drafting loops fell into step
+    assert queue.stats.passes < 20
+    assert queue.stats.exclusive == 4
+    assert all(len({p // 100 for p in batch}) == len(batch) for batch in served if batch)  # one step per session
+
+
+def test_queue_never_merges_steps_of_different_models_and_serves_each_with_its_own_pass() -> None:
+    queue = DeviceQueue(gather_s=0.05)
+    served: list[tuple[str, list[str]]] = []
+
+    def runner(name: str) -> Any:
+        def run(steps: Any) -> list[str]:
+            served.append((name, [s.group for s in steps]))
+            time.sleep(0.01)
+            return [f"{name}:{s.payload}" for s in steps]
+
+        return run
+
+    runs = {"a": runner("a"), "b": runner("b")}
+
+    def worker(i: int) -> str:
+        group = "a" if i % 2 else "b"
+        with queue.drafting(group):
+            return str(queue.step(Step(group, str(i), runs[group], max_rows=2)))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(worker, range(8))) == [f"{'a' if i % 2 else 'b'}:{i}" for i in range(8)]
+    assert all(set(groups) == {name} and len(groups) <= 2 for name, groups in served)
+
+
+def test_a_failing_pass_fails_every_step_in_it_and_the_queue_keeps_serving() -> None:
+    queue = DeviceQueue(gather_s=0.05)
+    calls = {"n": 0}
+
+    def run(steps: Any) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(0.02)
+            raise RuntimeError("device lost")
+        return [1 for _ in steps]
+
+    def worker(_: int) -> str:
+        with queue.drafting("m"):
+            try:
+                queue.step(Step("m", None, run))
+            except RuntimeError as exc:
+                return str(exc)
+            return "ok"
+
+    with ThreadPoolExecutor(3) as pool:
+        outcomes = list(pool.map(worker, range(3)))
+    assert "device lost" in outcomes
+    assert queue.step(Step("m", None, run)) == 1
+
+
+# -- merged passes on real (tiny) models ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def pairs() -> dict[str, tuple[Any, Any]]:
+    """Per kind: a batching member and an unbatched member over the same weights."""
+    out = {}
+    for kind in KINDS:
+        batched = tiny.member(kind)
+        alone = TransformersMember(batched.model, batched.tokenizer, name=kind, request_batch_size=1)
+        out[kind] = (batched, alone)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_merged_decode_steps_equal_each_sessions_own_step(pairs: dict[str, tuple[Any, Any]], kind: str) -> None:
+    batched, alone = pairs[kind]
+    merged = [batched.open(_request(p)) for p in PROMPTS]
+    single = [alone.open(_request(p)) for p in PROMPTS]
+    for i, (a, b) in enumerate(zip(merged, single, strict=True)):  # different committed lengths too
+        a._ensure_prefilled()
+        b._ensure_prefilled()
+        a.commit(" hello" * i)
+        b.commit(" hello" * i)
+    assert len({s._cache_len() for s in merged}) == len(merged)
+    worst = 0.0
+    tokens = [int(s._next_logits.argmax()) for s in single]
+    for _ in range(24):  # past gemma3's sliding window of 16
+        steps = [Step(0, (s, t), batched._decode_rows) for s, t in zip(merged, tokens, strict=True)]
+        rows = batched._decode_rows(steps)
+        own = [s._forward([t]) for s, t in zip(single, tokens, strict=True)]
+        worst = max(worst, *(float((r - o).abs().max()) for r, o in zip(rows, own, strict=True)))
+        tokens = [int(o.argmax()) for o in own]
+    assert worst <= 1e-4
+    for a, b in zip(merged, single, strict=True):
+        assert a._cache_len() == b._cache_len()
+        for la, lb in zip(a._cache.layers, b._cache.layers, strict=True):
+            assert float((la.keys - lb.keys).abs().max()) <= 1e-4
+            assert float((la.values - lb.values).abs().max()) <= 1e-4
+
+
+def _held(queue: DeviceQueue, pending: int, work: list[threading.Thread]) -> None:
+    """Run ``work`` while the device is busy, until ``pending`` steps wait, then free the device:
+    the waiting steps are then served together (deterministic merging)."""
+    release = threading.Event()
+    holder = threading.Thread(target=queue.exclusive, args=(release.wait,))
+    holder.start()
+    while not queue._busy:
+        time.sleep(0.001)
+    for t in work:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(queue._steps) < pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    release.set()
+    for t in [holder, *work]:
+        t.join()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_merged_verification_blocks_score_exactly_and_a_merged_row_can_win(
+    pairs: dict[str, tuple[Any, Any]], kind: str
+) -> None:
+    batched, _ = pairs[kind]
+    queue = batched._queue()
+    sessions = [batched.open(_request(p)) for p in PROMPTS]
+    for i, s in enumerate(sessions):  # different committed lengths: the merged pass pads
+        s.commit(" hello wor" * (i + 1))
+    cands = [[(" hello wor", False), ("ld 中文", True), ("lo there😀", False)], [("ld", False)], [(" 42", True)]]
+    got: list[Any] = [None] * len(sessions)
+
+    def score(i: int) -> None:
+        got[i] = sessions[i].score([tiny_candidate(t, e) for t, e in cands[i]], score_eos=True)
+
+    before = (queue.stats.score_passes, queue.stats.score_blocks)
+    _held(queue, len(sessions), [threading.Thread(target=score, args=(i,)) for i in range(len(sessions))])
+    assert (queue.stats.score_passes - before[0], queue.stats.score_blocks - before[1]) == (1, len(sessions))
+    for i, s in enumerate(sessions):
+        want = naive_scores(batched, batched.encode_prompt(_request(PROMPTS[i])), s._text, cands[i], True)
+        for g, (logit, logprob) in zip(got[i], want, strict=True):
+            assert abs(g.mean_logit - logit) <= 1e-4
+            assert abs(g.mean_logprob - logprob) <= 1e-4
+    bases = [s._pass.base for s in sessions]
+    assert [s._pass.pad for s in sessions] == [max(bases) - b for b in bases]
+    assert len(set(bases)) == len(bases)
+    for i, s in enumerate(sessions):  # a merged row wins: its KV (after the padding) becomes the cache
+        s.commit(cands[i][0][0])
+        prompt = batched.encode_prompt(_request(PROMPTS[i]))
+        assert s._cache_len() == len(prompt) + len(s._resp_ids)
+        d = s.draft(6, SamplingParams())
+        assert (d.text, d.ended) == naive_draft(batched, prompt, s._text, 6)
+
+
+def test_drafts_made_in_merged_steps_equal_naive_greedy(pairs: dict[str, tuple[Any, Any]]) -> None:
+    batched, _ = pairs["qwen2"]
+    queue = batched._queue()
+    sessions = [batched.open(_request(p)) for p in PROMPTS]
+    for s in sessions:
+        s._ensure_prefilled()
+    drafts: list[Any] = [None] * len(sessions)
+
+    def draft(i: int) -> None:
+        drafts[i] = sessions[i].draft(12, SamplingParams())
+
+    before = (queue.stats.passes, queue.stats.steps)
+    _held(queue, len(sessions), [threading.Thread(target=draft, args=(i,)) for i in range(len(sessions))])
+    passes, steps = queue.stats.passes - before[0], queue.stats.steps - before[1]
+    assert steps >= 11 * len(sessions) and passes < steps
+    for i, (s, d) in enumerate(zip(sessions, drafts, strict=True)):
+        prompt = batched.encode_prompt(_request(PROMPTS[i]))
+        assert (d.text, d.ended) == naive_draft(batched, prompt, "", 12)
+        s.commit(d.text)  # keeps the drafted KV rows, written by merged passes
+        want = naive_scores(batched, prompt, s._text, [(" ok", False)], True)[0]
+        g = s.score([tiny_candidate(" ok", False)], score_eos=True)[0]
+        assert abs(g.mean_logit - want[0]) <= 1e-4
+
+
+def tiny_candidate(text: str, ended: bool) -> Any:
+    from specem_core import Candidate
+
+    return Candidate("x", text, ended)
+
+
+def _decisive(kind: str, seed: int) -> TransformersMember:
+    """A tiny member whose logits are spread out, so that rounding never flips a greedy pick."""
+    model, tok = {"llama": tiny.tiny_llama, "qwen2": tiny.tiny_qwen2}[kind](seed)
+    model.get_output_embeddings().weight.data *= 200.0
+    return TransformersMember(model, tok, name=kind)
+
+
+def test_concurrent_requests_share_decode_passes_and_answer_as_they_would_alone() -> None:
+    members = [_decisive("llama", 0), _decisive("qwen2", 1)]
+    engine = SpecEM(members, SpecEMConfig(segment_len=6, max_new_tokens=30, ignore_eos=True))
+    prompts = [*PROMPTS, "The capital of Germany is", "SpecEM ensembles several models."]
+    alone = [engine.generate([{"role": "user", "content": p}]).text for p in prompts]
+    stats = members[0].batch_stats
+    assert stats is not None
+    before_passes, before_steps = stats.passes, stats.steps
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: engine.generate([{"role": "user", "content": p}]).text, prompts))
+    assert together == alone
+    passes, steps = stats.passes - before_passes, stats.steps - before_steps
+    assert steps / passes > 1.5, (steps, passes)  # most steps shared a pass
+
+
+def test_request_batch_size_is_validated_and_1_bypasses_the_queue() -> None:
+    model, tok = tiny.tiny_llama()
+    with pytest.raises(ConfigError, match="request_batch_size"):
+        TransformersMember(model, tok, request_batch_size=0)
+    with pytest.raises(ConfigError, match="request_batch_size"):
+        TransformersMember(model, tok, request_batch_size=True)  # type: ignore[arg-type]
+    member = TransformersMember(model, tok, request_batch_size=1)
+    assert member.batch_stats is None
+    session = member.open(_request("hi"))
+    session.draft(4, SamplingParams())
+    member.request_batch_size = 4
+    assert member.batch_stats is not None
