@@ -193,9 +193,10 @@ def _batching_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     out = {}
     for device, now in after.items():
         was = before.get(device, {})
-        counts = ("passes", "decode_steps", "score_passes", "score_blocks", "other_passes")
+        counts = ("passes", "decode_steps", "score_passes", "score_blocks", "prefill_passes", "prefills")
+        counts += ("other_passes",)
         delta = {k: now[k] - was.get(k, 0) for k in counts}
-        seconds = ("decode_seconds", "score_seconds", "other_seconds")
+        seconds = ("decode_seconds", "score_seconds", "prefill_seconds", "other_seconds")
         delta.update({k: round(now[k] - was.get(k, 0.0), 3) for k in seconds})
         delta["rows_per_pass"] = delta["decode_steps"] / delta["passes"] if delta["passes"] else None
         score = delta["score_passes"]

@@ -8,10 +8,11 @@ model are waiting on into one padded pass: a small model's decode step reads all
 for one row as for eight, so on a CPU (and more so on a GPU) the rows come almost for free
 (README, "Serving": measured by ``benchmarks/serve_load.py``).
 
-Batching is *continuous*: a step joins whichever pass starts next. The session that starts a
-pass waits a few milliseconds (``gather_s``) for steps of sessions that are in a drafting loop
-of the same model, so that requests drafting at once fall into step; everything else (prefills,
-verification blocks, rollbacks) runs alone, in arrival order.
+The same goes for the sessions' verification blocks and for the prompt prefills of requests
+arriving together. Batching is *continuous*: a step joins whichever pass starts next. The session
+that starts a decode pass waits a few milliseconds (``gather_s``) for steps of sessions that are
+in a drafting loop of the same model, so that requests drafting at once fall into step; the
+remaining passes (rollbacks, multi-token feeds) run alone, in arrival order.
 
 The pass itself (padding, masks, handing each session its new KV row) belongs to the backend;
 this module only schedules.
@@ -46,7 +47,8 @@ class Step(Generic[T]):
     max_rows: int = 16
     """At most this many steps share a pass with this one."""
     kind: str = "decode"
-    """``"decode"`` (one-token steps) or ``"score"`` (verification blocks), for the statistics."""
+    """``"decode"`` (one-token steps), ``"score"`` (verification blocks) or ``"prefill"`` (new
+    sessions' prompts), for the statistics."""
     done: bool = False
     result: Any = None
     error: BaseException | None = None
@@ -67,12 +69,18 @@ class BatchStats:
     """Forward passes that served verification blocks."""
     score_blocks: int = 0
     """Verification blocks served (one per session and round)."""
+    prefill_passes: int = 0
+    """Forward passes that served prompt prefills."""
+    prefills: int = 0
+    """Prompt prefills served."""
     exclusive: int = 0
-    """Other forward passes (prefills, rollbacks, re-reads after a merged boundary)."""
+    """Other forward passes (rollbacks, re-reads after a merged boundary, multi-token feeds)."""
     decode_s: float = 0.0
     """Seconds the device spent in passes serving decode steps."""
     score_s: float = 0.0
     """Seconds the device spent in verification passes."""
+    prefill_s: float = 0.0
+    """Seconds the device spent in prefill passes."""
     exclusive_s: float = 0.0
     """Seconds the device spent in the other passes."""
     sizes: dict[int, int] = field(default_factory=dict)
@@ -149,6 +157,8 @@ class DeviceQueue:
                     self._cond.acquire()
                     if batch[0].kind == "score":
                         self.stats.score_s += time.perf_counter() - start
+                    elif batch[0].kind == "prefill":
+                        self.stats.prefill_s += time.perf_counter() - start
                     else:
                         self.stats.decode_s += time.perf_counter() - start
                     self._busy = False
@@ -175,6 +185,9 @@ class DeviceQueue:
         if batch[0].kind == "score":
             self.stats.score_passes += 1
             self.stats.score_blocks += len(batch)
+        elif batch[0].kind == "prefill":
+            self.stats.prefill_passes += 1
+            self.stats.prefills += len(batch)
         else:
             self.stats.passes += 1
             self.stats.steps += len(batch)

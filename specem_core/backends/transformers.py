@@ -47,6 +47,8 @@ _UTF8_EXTRA_TOKENS = 4
 """Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
 _DECODE_CONTEXT = 8
 """Committed tokens decoded with a draft, so that decoders that strip a leading space agree."""
+_PREFILL_TOKENS = 8192
+"""At most this many (padded) prompt tokens in one merged prefill pass (bounds its memory)."""
 
 
 class TransformersMember:
@@ -239,6 +241,57 @@ class TransformersMember:
                     layer.values = torch.cat([layer.values, merged.values[row : row + 1, :, -1:, :]], dim=-2)
             logits = output.logits[:, -1].float()
             return [logits[row].clone() for row in range(rows)]
+
+    def _prefill_steps(self, steps: Sequence[Step[TransformersSession]]) -> list[Any]:
+        """Prompt prefills of several new sessions, right-padded into passes of at most
+        ``_PREFILL_TOKENS`` padded tokens; next-token logits per session."""
+        sessions = [step.payload for step in steps]
+        if len(sessions) == 1:
+            return [sessions[0]._forward(sessions[0]._prompt_ids)]
+        order = sorted(range(len(sessions)), key=lambda i: len(sessions[i]._prompt_ids))
+        results: dict[int, Any] = {}
+        chunk: list[int] = []
+        for i in order:  # shortest first, so that a pass pads little
+            longest = len(sessions[i]._prompt_ids)
+            if chunk and longest * (len(chunk) + 1) > _PREFILL_TOKENS:
+                results.update(zip(chunk, self._prefill_together([sessions[j] for j in chunk]), strict=True))
+                chunk = []
+            chunk.append(i)
+        results.update(zip(chunk, self._prefill_together([sessions[j] for j in chunk]), strict=True))
+        return [results[i] for i in range(len(sessions))]
+
+    def _prefill_together(self, sessions: Sequence[TransformersSession]) -> list[Any]:
+        """One pass over several prompts on empty caches (right-padded); each session keeps its rows."""
+        if len(sessions) == 1:
+            return [sessions[0]._forward(sessions[0]._prompt_ids)]
+        torch = _torch()
+        from transformers import DynamicCache
+
+        lengths = [len(sess._prompt_ids) for sess in sessions]
+        width = max(lengths)
+        last = sorted({n - 1 for n in lengths})  # the positions whose logits are needed
+        with torch.inference_mode():
+            mask = torch.zeros((len(sessions), width), dtype=torch.long, device=self._device)
+            for row, n in enumerate(lengths):
+                mask[row, :n] = 1
+            ids = [sess._prompt_ids + [self.pad_id] * (width - n) for sess, n in zip(sessions, lengths, strict=True)]
+            cache = DynamicCache()
+            output = self.model(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self._device),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=torch.tensor(last, dtype=torch.long, device=self._device),
+                **{self._cache_arg: cache},
+            )
+            logits = output.logits.float()
+            merged: list[Any] = list(cache.layers)
+            out = []
+            for row, (sess, n) in enumerate(zip(sessions, lengths, strict=True)):
+                for index, layer in enumerate(merged):  # a copy per session: the padded pass is freed
+                    keys, values = layer.keys[row : row + 1, :, :n, :], layer.values[row : row + 1, :, :n, :]
+                    sess._cache.update(keys, values, index)
+                out.append(logits[row, last.index(n - 1)].clone())
+            return out
 
     def _score_steps(self, steps: Sequence[Step[_ScoreJob]]) -> list[_Block]:
         return self._score_blocks([step.payload for step in steps])
@@ -666,7 +719,14 @@ class TransformersSession(MemberSession):
         """
         if self._prefilled:
             return
-        self._next_logits = self._feed(self._prompt_ids)
+        queue = self._m._queue()
+        if queue is None or len(self._prompt_ids) < 2:
+            self._next_logits = self._feed(self._prompt_ids)
+        else:  # requests arriving together prefill together
+            member = self._m
+            group = (id(member.model), "prefill")
+            step = Step(group, self, member._prefill_steps, member.request_batch_size, kind="prefill")
+            self._next_logits = queue.step(step)
         self._prefilled = True
         if self._resp_ids:  # only after a ``final`` commit: nobody drafts from there, but stay exact
             self._next_logits = self._feed(self._resp_ids)

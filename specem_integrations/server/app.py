@@ -398,8 +398,8 @@ class _Server:
     def decode_batching(self) -> dict[str, dict[str, Any]]:
         """Per device queue (transformers members batching across requests): passes that served
         decode steps, the steps, how many shared a pass on average and at most; verification
-        passes and the blocks they served; other passes (prefills, rollbacks); device seconds
-        in each kind."""
+        passes and the blocks they served; prefill passes and the prompts they served; other
+        passes (rollbacks, multi-token feeds); device seconds in each kind."""
         out: dict[str, dict[str, Any]] = {}
         for member in self.engine.members:
             stats = getattr(member, "batch_stats", None)
@@ -411,9 +411,12 @@ class _Server:
                     "largest": stats.largest,
                     "score_passes": stats.score_passes,
                     "score_blocks": stats.score_blocks,
+                    "prefill_passes": stats.prefill_passes,
+                    "prefills": stats.prefills,
                     "other_passes": stats.exclusive,
                     "decode_seconds": round(stats.decode_s, 3),
                     "score_seconds": round(stats.score_s, 3),
+                    "prefill_seconds": round(stats.prefill_s, 3),
                     "other_seconds": round(stats.exclusive_s, 3),
                 }
         return out
