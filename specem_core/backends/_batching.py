@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -83,18 +83,28 @@ class BatchStats:
     """Seconds the device spent in prefill passes."""
     exclusive_s: float = 0.0
     """Seconds the device spent in the other passes."""
-    sizes: dict[int, int] = field(default_factory=dict)
-    """Passes per number of steps served."""
 
     @property
     def rows_per_pass(self) -> float:
         """Mean decode steps per pass (1.0: nothing was merged)."""
         return self.steps / self.passes if self.passes else 0.0
 
-    @property
-    def blocks_per_pass(self) -> float:
-        """Mean verification blocks per verification pass."""
-        return self.score_blocks / self.score_passes if self.score_passes else 0.0
+    def record(self, kind: str, served: int, seconds: float) -> None:
+        """Count one merged pass of ``kind`` that served ``served`` steps in ``seconds``."""
+        passes, count, time_field = _STAT_FIELDS[kind]
+        setattr(self, passes, getattr(self, passes) + 1)
+        setattr(self, count, getattr(self, count) + served)
+        setattr(self, time_field, getattr(self, time_field) + seconds)
+        if kind == "decode":
+            self.largest = max(self.largest, served)
+
+
+_STAT_FIELDS = {
+    "decode": ("passes", "steps", "decode_s"),
+    "score": ("score_passes", "score_blocks", "score_s"),
+    "prefill": ("prefill_passes", "prefills", "prefill_s"),
+}
+"""Per kind of step: the counters :meth:`BatchStats.record` adds to."""
 
 
 class DeviceQueue:
@@ -155,12 +165,7 @@ class DeviceQueue:
                     self._serve(batch)
                 finally:
                     self._cond.acquire()
-                    if batch[0].kind == "score":
-                        self.stats.score_s += time.perf_counter() - start
-                    elif batch[0].kind == "prefill":
-                        self.stats.prefill_s += time.perf_counter() - start
-                    else:
-                        self.stats.decode_s += time.perf_counter() - start
+                    self.stats.record(batch[0].kind, len(batch), time.perf_counter() - start)
                     self._busy = False
                     self._cond.notify_all()
         if step.error is not None:
@@ -182,17 +187,6 @@ class DeviceQueue:
         batch = mine[:max_rows]
         taken = set(map(id, batch))
         self._steps = [s for s in self._steps if id(s) not in taken]
-        if batch[0].kind == "score":
-            self.stats.score_passes += 1
-            self.stats.score_blocks += len(batch)
-        elif batch[0].kind == "prefill":
-            self.stats.prefill_passes += 1
-            self.stats.prefills += len(batch)
-        else:
-            self.stats.passes += 1
-            self.stats.steps += len(batch)
-            self.stats.largest = max(self.stats.largest, len(batch))
-            self.stats.sizes[len(batch)] = self.stats.sizes.get(len(batch), 0) + 1
         return batch
 
     @staticmethod

@@ -208,6 +208,10 @@ class TransformersMember:
     def _queue(self) -> DeviceQueue | None:
         return device_queue(str(self._device)) if self._request_batch_size > 1 else None
 
+    def _submit(self, queue: DeviceQueue, kind: str, payload: Any, run: Any) -> Any:
+        """Wait for ``payload``'s turn in a merged pass of this model's ``kind`` steps."""
+        return queue.step(Step((id(self.model), kind), payload, run, self._request_batch_size, kind=kind))
+
     def _decode_rows(self, steps: Sequence[Step[tuple[TransformersSession, int]]]) -> list[Any]:
         """One forward pass for several sessions' one-token steps; next-token logits per step.
 
@@ -246,8 +250,6 @@ class TransformersMember:
         """Prompt prefills of several new sessions, right-padded into passes of at most
         ``_PREFILL_TOKENS`` padded tokens; next-token logits per session."""
         sessions = [step.payload for step in steps]
-        if len(sessions) == 1:
-            return [sessions[0]._forward(sessions[0]._prompt_ids)]
         order = sorted(range(len(sessions)), key=lambda i: len(sessions[i]._prompt_ids))
         results: dict[int, Any] = {}
         chunk: list[int] = []
@@ -723,10 +725,7 @@ class TransformersSession(MemberSession):
         if queue is None or len(self._prompt_ids) < 2:
             self._next_logits = self._feed(self._prompt_ids)
         else:  # requests arriving together prefill together
-            member = self._m
-            group = (id(member.model), "prefill")
-            step = Step(group, self, member._prefill_steps, member.request_batch_size, kind="prefill")
-            self._next_logits = queue.step(step)
+            self._next_logits = self._m._submit(queue, "prefill", self, self._m._prefill_steps)
         self._prefilled = True
         if self._resp_ids:  # only after a ``final`` commit: nobody drafts from there, but stay exact
             self._next_logits = self._feed(self._resp_ids)
@@ -744,9 +743,7 @@ class TransformersSession(MemberSession):
         if queue is None:
             return self._forward(ids)
         if len(ids) == 1 and self._cache_len() > 0:
-            member = self._m
-            step = Step((id(member.model), "decode"), (self, ids[0]), member._decode_rows, member.request_batch_size)
-            return queue.step(step)
+            return self._m._submit(queue, "decode", (self, ids[0]), self._m._decode_rows)
         return queue.exclusive(lambda: self._forward(ids))
 
     def _batchable(self) -> bool:
@@ -854,9 +851,7 @@ class TransformersSession(MemberSession):
         if queue is None:
             block = self._m._score_blocks([job])[0]
         else:
-            member = self._m
-            group = (id(member.model), "score")
-            block = queue.step(Step(group, job, member._score_steps, member.request_batch_size, kind="score"))
+            block = self._m._submit(queue, "score", job, self._m._score_steps)
         self._finish_score(pending, job, block, out)
 
     def _finish_score(
