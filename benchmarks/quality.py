@@ -36,7 +36,12 @@ EVAL_DIR = Path(os.environ.get("SPECEM_EVAL_DIR", ROOT.parent / "shared" / "eval
 RESULTS = ROOT / "benchmarks" / "results" / "quality"
 
 Q15, Q05, SMOL = "llamacpp:qwen2.5-coder-1.5b", "llamacpp:qwen2.5-coder", "llamacpp:smollm2"
-V2: dict[str, Any] = {"normalization": "softmax", "model_exit": True, "exit_temperature": 0.2}
+V2: dict[str, Any] = {
+    "normalization": "softmax",
+    "model_exit": True,
+    "exit_temperature": 0.2,
+    "exit_keep_trusted": False,  # v2/v3 ran before it existed (now on by default): off reproduces them
+}
 CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
@@ -69,6 +74,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "members": [Q15, Q05, SMOL],
         "config": V2,
         "weights": {"prior": "calibrated", "learning_rate": 1.0, "min_share": 0.1},
+    },
+    # v4: trio-v3 with the prior from each member's score alone on the other half of the same
+    # task (labelled calibration, cross-fitted: no answer is served by a prior measured on it;
+    # trio-v3's prior came from the other task and rated SmolLM2 0.24 on GSM8K), and Model Exit
+    # never stops the member the weights trust most (trio-v3 lost 6 problems where exit had
+    # stopped the 1.5B and the 0.5B answered alone)
+    "trio-v4": {
+        "members": [Q15, Q05, SMOL],
+        "config": {**V2, "exit_keep_trusted": True},  # (the default now)
+        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
     },
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
@@ -119,7 +134,39 @@ def calibrated_prior(task: str, member_specs: Sequence[str], names: Sequence[str
     return prior
 
 
-def build_engine(name: str, task: str = "") -> Any:
+def fold_keys(task: str) -> list[set[str]]:
+    """The task's prompts in two halves (data-set order): the two folds of a cross-fitted prior."""
+    keys = [prompt_of(task, row)[0] for row in load_rows(task, None)]
+    half = len(keys) // 2
+    return [set(keys[:half]), set(keys[half:])]
+
+
+def crossfit_prior(task: str, member_specs: Sequence[str], names: Sequence[str], keys: set[str]) -> dict[str, float]:
+    """Prior weight per member name: 1 + its score alone (in %) on the prompts ``keys`` of this
+    task (the other fold's: a labelled calibration set that excludes the prompts it serves)."""
+    metric = "accuracy" if task != "ifeval" else "prompt_level_strict"
+    prior = {}
+    for spec, name in zip(member_specs, names, strict=True):
+        recs = [r for r in records(task, ALONE[spec]) if str(r["key"]) in keys]
+        if len(recs) < len(keys):
+            raise SystemExit(f"the cross-fitted prior needs {ALONE[spec]!r} run alone on all of {task} first")
+        prior[name] = 1.0 + measure(task, recs)[metric]
+    return prior
+
+
+def crossfitted(name: str) -> bool:
+    """Whether the configuration's prior is cross-fitted (one engine per fold of the task)."""
+    return bool(CONFIGS[name].get("weights", {}).get("prior") == "crossfit")
+
+
+def state_path(task: str, name: str, fold: int | None = None) -> Path:
+    """Where a configuration's learned member weights are kept (per fold for a cross-fitted prior)."""
+    return RESULTS / task / (f"{name}.weights.json" if fold is None else f"{name}.fold{fold}.weights.json")
+
+
+def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
+    """The configuration's engine; ``fold``: which half of the task a cross-fitted prior serves
+    (its prior comes from the other half, and its learned state is kept apart)."""
     from specem_core import SpecEM, SpecEMConfig
     from specem_core.registry import load_member
     from specem_core.weights import MemberWeights
@@ -132,9 +179,12 @@ def build_engine(name: str, task: str = "") -> Any:
     if "weights" in spec:
         options = dict(spec["weights"])
         prior = options.pop("prior", None)
-        if prior == "calibrated":
-            prior = calibrated_prior(task, spec["members"], [m.name for m in members[: len(spec["members"])]])
-        saved = RESULTS / task / f"{name}.weights.json"
+        names = [m.name for m in members[: len(spec["members"])]]
+        if prior == "crossfit":
+            prior = crossfit_prior(task, spec["members"], names, fold_keys(task)[1 - (fold or 0)])
+        elif prior == "calibrated":
+            prior = calibrated_prior(task, spec["members"], names)
+        saved = state_path(task, name, fold)
         weights = MemberWeights.load(saved) if saved.exists() else MemberWeights(prior, **options)
     return SpecEM(members, SpecEMConfig(**spec["config"]), weights=weights)
 
@@ -150,7 +200,6 @@ def progress(items: list[Any], desc: str) -> Iterator[Any]:
 
 def run(task: str, configs: list[str], limit: int | None, seed: int) -> None:
     rows = load_rows(task, limit)
-    max_new = TASKS[task]
     for name in configs:
         out = RESULTS / task / f"{name}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,28 +207,38 @@ def run(task: str, configs: list[str], limit: int | None, seed: int) -> None:
         todo = [r for r in rows if prompt_of(task, r)[0] not in done]
         if not todo:
             continue
-        engine = build_engine(name, task)
-        with out.open("a") as fh:
-            for row in progress(todo, f"{task}/{name}"):
-                key, prompt = prompt_of(task, row)
-                start = time.perf_counter()
-                result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=max_new, seed=seed)
-                record = {
-                    "key": int(key) if task == "ifeval" else key,
-                    "response": result.text,
-                    "seconds": time.perf_counter() - start,
-                    "rounds": len(result.segments),
-                    "drafters_per_round": sum(result.members_per_round) / max(len(result.segments), 1),
-                    "wins": result.wins,
-                    "finish_reason": result.finish_reason,
-                    "gated": [e.member for e in result.excluded if e.stage == "gate"],
-                    "trace": [trace_round(seg) for seg in result.segments],
-                }
-                if engine.weights is not None:  # learned across requests: keep them with the answers
-                    record["weights_after"] = engine.weights.current()
-                    engine.weights.save(RESULTS / task / f"{name}.weights.json")
-                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-                fh.flush()
+        if crossfitted(name):  # one engine per fold
+            for n, fold in enumerate(fold_keys(task)):
+                part = [r for r in todo if prompt_of(task, r)[0] in fold]
+                if part:
+                    run_part(task, name, part, build_engine(name, task, fold=n), seed, fold=n)
+        else:
+            run_part(task, name, todo, build_engine(name, task), seed)
+
+
+def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed: int, fold: int | None = None) -> None:
+    """Answer ``todo`` with ``engine``, one record per prompt appended to the configuration's file."""
+    with (RESULTS / task / f"{name}.jsonl").open("a") as fh:
+        for row in progress(todo, f"{task}/{name}"):
+            key, prompt = prompt_of(task, row)
+            start = time.perf_counter()
+            result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=TASKS[task], seed=seed)
+            record = {
+                "key": int(key) if task == "ifeval" else key,
+                "response": result.text,
+                "seconds": time.perf_counter() - start,
+                "rounds": len(result.segments),
+                "drafters_per_round": sum(result.members_per_round) / max(len(result.segments), 1),
+                "wins": result.wins,
+                "finish_reason": result.finish_reason,
+                "gated": [e.member for e in result.excluded if e.stage == "gate"],
+                "trace": [trace_round(seg) for seg in result.segments],
+            }
+            if engine.weights is not None:  # learned across requests: keep them with the answers
+                record["weights_after"] = engine.weights.current()
+                engine.weights.save(state_path(task, name, fold))
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            fh.flush()
 
 
 def trace_round(seg: Any) -> dict[str, Any]:
@@ -576,8 +635,8 @@ def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:
     """Time per answer of a configuration against one member alone, side by side in one process
     (alternating prompt by prompt, so both see the same machine), on the first ``limit`` prompts.
     The configuration starts from the weights its quality run learned (``build_engine`` reads
-    that file; a timing run never writes it)."""
-    engines = {config: build_engine(config, task) for config in (against, name)}
+    that file, the first fold's for a cross-fitted prior; a timing run never writes it)."""
+    engines = {c: build_engine(c, task, fold=0 if crossfitted(c) else None) for c in (against, name)}
     rows = []
     for row in load_rows(task, limit):
         key, prompt = prompt_of(task, row)
@@ -674,6 +733,36 @@ def explain(task: str, name: str) -> str:
     return "\n".join(lines)
 
 
+def drafting(task: str, name: str, against: str) -> str:
+    """The answers of ``name`` grouped by the share of rounds in which ``against``'s member (a
+    member alone) drafted, each group paired against that member alone: where Model Exit or the
+    gate left the answer to the others, and what that cost or gained."""
+    base = {str(r["key"]): r for r in records(task, against)}
+    recs = [r for r in records(task, name) if str(r["key"]) in base and r.get("trace")]
+    if not recs or not base:
+        return f"{task}/{name}: no answers shared with {against}"
+    member = next(iter(next(iter(base.values()))["wins"]))
+    ours, theirs = passes(task, recs), passes(task, list(base.values()))
+    groups: dict[str, list[str]] = {}
+    for r in recs:
+        share = sum(member in t["drafters"] for t in r["trace"]) / len(r["trace"])
+        label = "≥ 90%" if share >= 0.9 else "50–90%" if share >= 0.5 else "< 50%"
+        groups.setdefault(label, []).append(str(r["key"]))
+    lines = [
+        f"### {task} / {name}: answers by the share of rounds {_short(member)} drafted",
+        "",
+        f"| {_short(member)} drafted | answers | {name} | {against} alone | gained | lost |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label in ("≥ 90%", "50–90%", "< 50%"):
+        keys = groups.get(label, [])
+        lines.append(
+            f"| {label} | {len(keys)} | {sum(ours[k] for k in keys)} | {sum(theirs[k] for k in keys)} "
+            f"| {sum(ours[k] and not theirs[k] for k in keys)} | {sum(theirs[k] and not ours[k] for k in keys)} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -688,6 +777,7 @@ def main() -> None:
     e = sub.add_parser("explain", help="replay recorded rounds: self-preference and what other vote rules pick")
     e.add_argument("task", choices=sorted(TASKS))
     e.add_argument("config", choices=sorted(CONFIGS))
+    e.add_argument("--against", default=None, choices=sorted(CONFIGS), help="also group answers by how long it drafted")
     c = sub.add_parser("cost", help="time per answer against one member alone, side by side in one run")
     c.add_argument("task", choices=sorted(TASKS))
     c.add_argument("config", choices=sorted(CONFIGS))
@@ -706,6 +796,8 @@ def main() -> None:
         print(cost(args.task, args.config, args.against, args.limit))
     elif args.command == "explain":
         print(explain(args.task, args.config))
+        if args.against:
+            print("\n" + drafting(args.task, args.config, args.against))
     else:
         print(report())
 

@@ -472,7 +472,13 @@ class _Run:
                 self.text += choice
                 self._commit(choice, 0, final=False)
             exit_rule = (
-                ModelExit(cfg.exit_temperature, cfg.exit_entropy_ratio, cfg.exit_min_prob, cfg.exit_min_rounds)
+                ModelExit(
+                    cfg.exit_temperature,
+                    cfg.exit_entropy_ratio,
+                    cfg.exit_min_prob,
+                    cfg.exit_min_rounds,
+                    keep=self._trusted_drafter(weights) if cfg.exit_keep_trusted else None,
+                )
                 if cfg.model_exit
                 else None
             )
@@ -581,6 +587,16 @@ class _Run:
             start = self.learned.start([self.members[i].name for i in verifiers])
             return dict(zip(verifiers, start, strict=True))
         return {i: 1.0 / len(verifiers) for i in verifiers}
+
+    def _trusted_drafter(self, weights: dict[int, float]) -> int | None:
+        """The drafter with the highest starting weight from the member weights, when one has it
+        alone (``exit_keep_trusted``); ``None`` without member weights."""
+        if self.learned is None:
+            return None
+        drafters = sorted((w, i) for i, w in weights.items() if self.members[i].can_draft)
+        if not drafters or (len(drafters) > 1 and drafters[-1][0] == drafters[-2][0]):
+            return None
+        return drafters[-1][1]
 
     def _completion_tokens(self) -> int:
         return self.sessions[self._active()[0]].completion_tokens if self.sessions else 0

@@ -144,13 +144,16 @@ class ModelExit:
 
     Keep cumulative scores Q_i = Σ_k S_i(k) of the members still drafting, p = softmax(Q/τ).
     After ``min_rounds`` rounds, once H(p) < γ·ln(n), members with p_i < ε stop drafting (they
-    keep verifying). The member with the highest p never exits.
+    keep verifying). The member with the highest p never exits, nor does ``keep`` (the member
+    the caller trusts most, e.g. by a labelled calibration: votes measure likelihood, not
+    correctness, and can prefer a weaker member's more predictable text).
     """
 
     temperature: float
     entropy_ratio: float
     min_prob: float
     min_rounds: int
+    keep: int | None = None
     cumulative: dict[int, float] = field(default_factory=dict)
 
     def update(self, round_index: int, drafting: Sequence[int], scores: dict[int, float]) -> list[int]:
@@ -164,4 +167,4 @@ class ModelExit:
         if entropy(p) >= self.entropy_ratio * math.log(len(drafting)):
             return []
         best = drafting[argmax_first(p)]
-        return [m for m, pm in zip(drafting, p, strict=True) if pm < self.min_prob and m != best]
+        return [m for m, pm in zip(drafting, p, strict=True) if pm < self.min_prob and m not in (best, self.keep)]

@@ -17,6 +17,7 @@ from specem_core import (
     SpecEM,
     SpecEMConfig,
 )
+from specem_core.weights import MemberWeights
 
 
 def _engine(*members: ScriptedMember, **cfg: object) -> SpecEM:
@@ -109,6 +110,28 @@ def test_model_exit_reduces_members_per_round() -> None:
     assert result.members_per_round[0] == 3
     assert result.members_per_round[-1] == 1
     assert "score" in members[2].calls  # exited members keep verifying
+
+
+@pytest.mark.parametrize(
+    ("keep_trusted", "prior", "b_drafts_to_the_end"),
+    [
+        (True, {"a": 1.0, "b": 5.0, "c": 1.0}, True),  # the member the prior trusts never exits
+        (False, {"a": 1.0, "b": 5.0, "c": 1.0}, False),  # off: votes alone decide who exits
+        (True, {"a": 5.0, "b": 5.0, "c": 1.0}, False),  # no single trusted member: nobody is kept
+    ],
+)
+def test_model_exit_can_keep_the_member_the_weights_trust(
+    keep_trusted: bool, prior: dict[str, float], b_drafts_to_the_end: bool
+) -> None:
+    prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
+    members = [ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a) for n in "abc"]
+    cfg = SpecEMConfig(
+        model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10, exit_keep_trusted=keep_trusted
+    )
+    result = SpecEM(members, cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
+    assert result.text.startswith("a a ")  # b keeps drafting but keeps losing the vote
+    assert ("b" in result.segments[-1].drafters) is b_drafts_to_the_end
+    assert "c" not in result.segments[-1].drafters
 
 
 def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:

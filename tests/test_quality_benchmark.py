@@ -159,3 +159,58 @@ def test_sign_test_and_bootstrap(quality: Any) -> None:
 )
 def test_arc_letter(quality: Any, reply: str, labels: str, expected: str | None) -> None:
     assert quality.arc_letter(reply, list(labels)) == expected
+
+
+def test_crossfit_prior_comes_from_the_members_alone_on_the_other_half(quality: Any) -> None:
+    rows = quality.load_rows("gsm8k", None)
+    keys = [quality.prompt_of("gsm8k", r)[0] for r in rows]
+    first, second = quality.fold_keys("gsm8k")
+    assert (first, second) == ({keys[0]}, set(keys[1:]))
+    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+
+    def alone(name: str, right: bool, upto: int) -> None:
+        recs = [
+            {"key": k, "response": f"so {r['final'] if right else 'none'}", "seconds": 1.0, "drafters_per_round": 1.0,
+             "wins": {}, "finish_reason": "stop"}
+            for k, r in zip(keys[:upto], rows[:upto], strict=True)
+        ]  # fmt: skip
+        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    alone("1.5b", True, 3)
+    alone("0.5b", False, 3)
+    alone("smol", True, 1)  # right on the first half only: that half serves, it does not calibrate
+    specs = [quality.Q15, quality.Q05, quality.SMOL]
+    with pytest.raises(SystemExit, match="'smol' run alone on all of gsm8k"):
+        quality.crossfit_prior("gsm8k", specs, ["big", "small", "tiny"], second)
+    alone("smol", False, 3)
+    assert quality.crossfit_prior("gsm8k", specs, ["big", "small", "tiny"], second) == {
+        "big": 101.0,
+        "small": 1.0,
+        "tiny": 1.0,
+    }
+    assert quality.state_path("gsm8k", "trio-v4", 1).name == "trio-v4.fold1.weights.json"
+
+
+def test_drafting_groups_answers_by_how_long_the_best_member_drafted(quality: Any) -> None:
+    rows = quality.load_rows("gsm8k", None)
+    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+
+    def write(name: str, answers: list[tuple[bool, list[list[str]]]]) -> None:
+        recs = [
+            {"key": row["id"], "response": f"so {row['final'] if right else 'none'}", "seconds": 1.0,
+             "drafters_per_round": 1.0, "wins": {"big": 1}, "finish_reason": "stop",
+             "trace": [{"drafters": d} for d in drafters]}
+            for row, (right, drafters) in zip(rows, answers, strict=True)
+        ]  # fmt: skip
+        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    write("1.5b", [(True, [["big"]]), (True, [["big"]]), (False, [["big"]])])
+    # answer 1: the big member drafted throughout and the ensemble kept its answer; answer 2: it
+    # exited after one of three rounds and the answer was lost; answer 3: it drafted two of three
+    # rounds and the ensemble found the answer the big member alone missed
+    both, small, big = ["big", "s"], ["s"], ["big"]
+    write("trio-v4", [(True, [both] * 3), (False, [both, small, small]), (True, [big, big, small])])
+    table = quality.drafting("gsm8k", "trio-v4", "1.5b")
+    assert "| ≥ 90% | 1 | 1 | 1 | 0 | 0 |" in table
+    assert "| 50–90% | 1 | 1 | 0 | 1 | 0 |" in table
+    assert "| < 50% | 1 | 0 | 1 | 0 | 1 |" in table

@@ -128,6 +128,11 @@ def test_model_exit_drops_a_consistent_loser_only_after_min_rounds() -> None:
     assert 2 in out
 
 
+def test_model_exit_never_drops_the_member_it_is_told_to_keep() -> None:
+    rule = ModelExit(temperature=0.25, entropy_ratio=0.8, min_prob=0.1, min_rounds=1, keep=2)
+    assert rule.update(1, [0, 1, 2], {0: 0.8, 1: 0.15, 2: 0.05}) == [1]
+
+
 def test_model_exit_keeps_members_while_uncertain() -> None:
     rule = ModelExit(temperature=1.0, entropy_ratio=0.5, min_prob=0.1, min_rounds=1)
     assert rule.update(5, [0, 1], {0: 0.5, 1: 0.5}) == []
