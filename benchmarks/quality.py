@@ -118,18 +118,24 @@ def answered(path: Path) -> set[str]:
 CALIBRATION = {"gsm8k": ("ifeval", "prompt_level_strict"), "ifeval": ("gsm8k", "accuracy")}
 """Task -> (task whose members-alone results give the weight prior, its metric): a prior never
 comes from the prompts it is evaluated on."""
+SCORE_METRIC = {"ifeval": "prompt_level_strict"}
+"""Task -> the score a same-task (cross-fitted) prior is made of (``accuracy`` for the others)."""
 ALONE = {Q15: "1.5b", Q05: "0.5b", SMOL: "smol"}
 """Member spec -> the configuration that runs it alone."""
 
 
-def calibrated_prior(task: str, member_specs: Sequence[str], names: Sequence[str]) -> dict[str, float]:
-    """Prior weight per member name: 1 + its score alone (in %) on the calibration task."""
-    other, metric = CALIBRATION[task]
+def calibrated_prior(
+    task: str, member_specs: Sequence[str], names: Sequence[str], keys: set[str] | None = None
+) -> dict[str, float]:
+    """Prior weight per member name: 1 + its score alone (in %) on a labelled calibration set:
+    the other task (``CALIBRATION``), or with ``keys`` those prompts of this task (the other
+    fold's, for a cross-fitted prior: never the prompts it serves)."""
+    other, metric = CALIBRATION[task] if keys is None else (task, SCORE_METRIC.get(task, "accuracy"))
     prior = {}
     for spec, name in zip(member_specs, names, strict=True):
-        recs = records(other, ALONE[spec])
-        if not recs:
-            raise SystemExit(f"calibration needs {ALONE[spec]!r} run alone on {other} first")
+        recs = [r for r in records(other, ALONE[spec]) if keys is None or str(r["key"]) in keys]
+        if not recs or (keys is not None and len(recs) < len(keys)):
+            raise SystemExit(f"calibration needs {ALONE[spec]!r} run alone on all of {other} first")
         prior[name] = 1.0 + measure(other, recs)[metric]
     return prior
 
@@ -139,19 +145,6 @@ def fold_keys(task: str) -> list[set[str]]:
     keys = [prompt_of(task, row)[0] for row in load_rows(task, None)]
     half = len(keys) // 2
     return [set(keys[:half]), set(keys[half:])]
-
-
-def crossfit_prior(task: str, member_specs: Sequence[str], names: Sequence[str], keys: set[str]) -> dict[str, float]:
-    """Prior weight per member name: 1 + its score alone (in %) on the prompts ``keys`` of this
-    task (the other fold's: a labelled calibration set that excludes the prompts it serves)."""
-    metric = "accuracy" if task != "ifeval" else "prompt_level_strict"
-    prior = {}
-    for spec, name in zip(member_specs, names, strict=True):
-        recs = [r for r in records(task, ALONE[spec]) if str(r["key"]) in keys]
-        if len(recs) < len(keys):
-            raise SystemExit(f"the cross-fitted prior needs {ALONE[spec]!r} run alone on all of {task} first")
-        prior[name] = 1.0 + measure(task, recs)[metric]
-    return prior
 
 
 def crossfitted(name: str) -> bool:
@@ -181,7 +174,7 @@ def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
         prior = options.pop("prior", None)
         names = [m.name for m in members[: len(spec["members"])]]
         if prior == "crossfit":
-            prior = crossfit_prior(task, spec["members"], names, fold_keys(task)[1 - (fold or 0)])
+            prior = calibrated_prior(task, spec["members"], names, keys=fold_keys(task)[1 - (fold or 0)])
         elif prior == "calibrated":
             prior = calibrated_prior(task, spec["members"], names)
         saved = state_path(task, name, fold)

@@ -181,9 +181,9 @@ def test_crossfit_prior_comes_from_the_members_alone_on_the_other_half(quality: 
     alone("smol", True, 1)  # right on the first half only: that half serves, it does not calibrate
     specs = [quality.Q15, quality.Q05, quality.SMOL]
     with pytest.raises(SystemExit, match="'smol' run alone on all of gsm8k"):
-        quality.crossfit_prior("gsm8k", specs, ["big", "small", "tiny"], second)
+        quality.calibrated_prior("gsm8k", specs, ["big", "small", "tiny"], keys=second)
     alone("smol", False, 3)
-    assert quality.crossfit_prior("gsm8k", specs, ["big", "small", "tiny"], second) == {
+    assert quality.calibrated_prior("gsm8k", specs, ["big", "small", "tiny"], keys=second) == {
         "big": 101.0,
         "small": 1.0,
         "tiny": 1.0,
