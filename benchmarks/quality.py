@@ -85,6 +85,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "config": {**V2, "exit_keep_trusted": True},  # (the default now)
         "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
     },
+    # goal 1's other half for v4: the pair without SmolLM2 (IFEval is where SmolLM2 is not gated)
+    "pair-v4": {
+        "members": [Q15, Q05],
+        "config": {**V2, "exit_keep_trusted": True},
+        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
+    },
+    # v5: trio-v4 plus exit by agreement: a drafter that drafted the trusted member's text two
+    # rounds running stops (trio-v4's 0.5B drafted 46% of GSM8K rounds; in half of those its
+    # candidate was the 1.5B's, and a replay of the traces put this rule at about 1.25x the 1.5B)
+    "trio-v5": {
+        "members": [Q15, Q05, SMOL],
+        "config": {**V2, "exit_keep_trusted": True, "exit_agreement_rounds": 2},
+        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
+    },
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""
@@ -624,12 +638,13 @@ def _instruction_row(name: str, ref: str, recs: list[dict[str, Any]], base: list
     return "| " + " | ".join(cells) + " |"
 
 
-def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:
-    """Time per answer of a configuration against one member alone, side by side in one process
-    (alternating prompt by prompt, so both see the same machine), on the first ``limit`` prompts.
-    The configuration starts from the weights its quality run learned (``build_engine`` reads
-    that file, the first fold's for a cross-fitted prior; a timing run never writes it)."""
-    engines = {c: build_engine(c, task, fold=0 if crossfitted(c) else None) for c in (against, name)}
+def cost(task: str, names: Sequence[str], against: str, limit: int, seed: int = 0) -> str:
+    """Time per answer of one or more configurations against one member alone, side by side in one
+    process (alternating prompt by prompt, so all see the same machine), on the first ``limit``
+    prompts; one ``cost_<config>_vs_<member>.json`` per configuration. A configuration starts from
+    the weights its quality run learned (``build_engine`` reads that file, the first fold's for a
+    cross-fitted prior; a timing run never writes it)."""
+    engines = {c: build_engine(c, task, fold=0 if crossfitted(c) else None) for c in (against, *names)}
     rows = []
     for row in load_rows(task, limit):
         key, prompt = prompt_of(task, row)
@@ -646,23 +661,28 @@ def cost(task: str, name: str, against: str, limit: int, seed: int = 0) -> str:
         print(key, {c: round(entry[c]["seconds"], 1) for c in engines}, file=sys.stderr)
     total = {c: sum(r[c]["seconds"] for r in rows) for c in engines}
     tokens = {c: sum(r[c]["tokens"] for r in rows) for c in engines}
-    out = {
-        "task": task,
-        "configuration": name,
-        "against": against,
-        "prompts": len(rows),
-        "seconds_per_answer": {c: total[c] / len(rows) for c in engines},
-        "seconds_per_token": {c: total[c] / max(tokens[c], 1) for c in engines},
-        "ratio_per_answer": total[name] / total[against],
-        "ratio_per_token": (total[name] / max(tokens[name], 1)) / (total[against] / max(tokens[against], 1)),
-        "rows": rows,
-    }
-    (RESULTS / task / f"cost_{name}_vs_{against}.json").write_text(json.dumps(out, indent=1) + "\n")
-    return (
-        f"{task}, first {len(rows)} prompts: {name} {out['seconds_per_answer'][name]:.1f} s/answer, "
-        f"{against} alone {out['seconds_per_answer'][against]:.1f} s/answer: ratio {out['ratio_per_answer']:.2f} "
-        f"per answer, {out['ratio_per_token']:.2f} per committed token"
-    )
+    lines = []
+    (RESULTS / task).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        out = {
+            "task": task,
+            "configuration": name,
+            "against": against,
+            "measured_with": list(engines),
+            "prompts": len(rows),
+            "seconds_per_answer": {c: total[c] / len(rows) for c in (against, name)},
+            "seconds_per_token": {c: total[c] / max(tokens[c], 1) for c in (against, name)},
+            "ratio_per_answer": total[name] / total[against],
+            "ratio_per_token": (total[name] / max(tokens[name], 1)) / (total[against] / max(tokens[against], 1)),
+            "rows": [{"key": r["key"], against: r[against], name: r[name]} for r in rows],
+        }
+        (RESULTS / task / f"cost_{name}_vs_{against}.json").write_text(json.dumps(out, indent=1) + "\n")
+        lines.append(
+            f"{task}, first {len(rows)} prompts: {name} {out['seconds_per_answer'][name]:.1f} s/answer, "
+            f"{against} alone {out['seconds_per_answer'][against]:.1f} s/answer: ratio {out['ratio_per_answer']:.2f} "
+            f"per answer, {out['ratio_per_token']:.2f} per committed token"
+        )
+    return "\n".join(lines)
 
 
 def explain(task: str, name: str) -> str:
@@ -773,7 +793,7 @@ def main() -> None:
     e.add_argument("--against", default=None, choices=sorted(CONFIGS), help="also group answers by how long it drafted")
     c = sub.add_parser("cost", help="time per answer against one member alone, side by side in one run")
     c.add_argument("task", choices=sorted(TASKS))
-    c.add_argument("config", choices=sorted(CONFIGS))
+    c.add_argument("config", nargs="+", choices=sorted(CONFIGS), help="several: measured side by side in one run")
     c.add_argument("--against", required=True, choices=sorted(CONFIGS))
     c.add_argument("--limit", type=int, default=10)
     args = parser.parse_args()

@@ -103,6 +103,11 @@ class SpecEMConfig:
     more predictable (GSM8K, README "Quality" v4: the 1.5B stopped drafting in a third of the
     answers and the ensemble fell 4.5 points below it; kept drafting, 2 points above). No effect
     without member weights or when the top weight is shared; ``False`` lets votes alone decide."""
+    exit_agreement_rounds: int = 0
+    """Model Exit also stops a drafter whose candidate was the same text as that of the member exit
+    keeps (the trusted one, ``exit_keep_trusted``; else the leader by votes) in this many
+    consecutive rounds: while it agrees it changes no decision, and each of its drafts still costs
+    a decode (README "Quality" v5 measures what it saves and what it costs). 0 (default): off."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True
@@ -139,6 +144,7 @@ class SpecEMConfig:
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         _int_at_least("top_k", self.top_k, 0)
         _int_at_least("exit_min_rounds", self.exit_min_rounds, 1)
+        _int_at_least("exit_agreement_rounds", self.exit_agreement_rounds, 0)
         _int_at_least("member_retries", self.member_retries, 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an int or None, got {self.seed!r}")

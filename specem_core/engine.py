@@ -478,6 +478,7 @@ class _Run:
                     cfg.exit_min_prob,
                     cfg.exit_min_rounds,
                     keep=self._trusted_drafter(weights) if cfg.exit_keep_trusted else None,
+                    agreement_rounds=cfg.exit_agreement_rounds,
                 )
                 if cfg.model_exit
                 else None
@@ -697,7 +698,8 @@ class _Run:
             winner = 0
         if exit_rule is not None:
             per_member = {owners[n]: combined[n] for n in range(len(owners))}
-            for i in exit_rule.update(k, drafting, per_member):
+            texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
+            for i in exit_rule.update(k, drafting, per_member, texts):
                 self.exited.add(i)
         segment = Segment(
             index=k,

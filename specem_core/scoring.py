@@ -7,7 +7,7 @@ against hand-computed values.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specem_core.config import HedgeDecay, NonPositiveRule, Normalization
@@ -147,6 +147,10 @@ class ModelExit:
     keep verifying). The member with the highest p never exits, nor does ``keep`` (the member
     the caller trusts most, e.g. by a labelled calibration: votes measure likelihood, not
     correctness, and can prefer a weaker member's more predictable text).
+
+    With ``agreement_rounds`` > 0 a member also stops once its candidate was the same text as the
+    anchor's (``keep`` while it drafts, else the leader by Q) in that many consecutive rounds:
+    while it agrees it changes no decision, yet each of its drafts costs compute.
     """
 
     temperature: float
@@ -154,17 +158,41 @@ class ModelExit:
     min_prob: float
     min_rounds: int
     keep: int | None = None
+    agreement_rounds: int = 0
     cumulative: dict[int, float] = field(default_factory=dict)
+    agreeing: dict[int, int] = field(default_factory=dict)
+    """Consecutive rounds in which each member drafted the anchor's text."""
 
-    def update(self, round_index: int, drafting: Sequence[int], scores: dict[int, float]) -> list[int]:
-        """Add this round's combined scores; return the members that exit now."""
+    def update(
+        self,
+        round_index: int,
+        drafting: Sequence[int],
+        scores: dict[int, float],
+        texts: Mapping[int, object] | None = None,
+    ) -> list[int]:
+        """Add this round's combined scores (and, for ``agreement_rounds``, each drafter's
+        candidate: any comparable value, e.g. ``(text, ended)``); return the members that exit now."""
         for m in drafting:
             self.cumulative[m] = self.cumulative.get(m, 0.0) + scores.get(m, 0.0)
-        if round_index < self.min_rounds or len(drafting) < 2:
+        if len(drafting) < 2:
             return []
         q = [self.cumulative.get(m, 0.0) for m in drafting]
+        best = drafting[argmax_first(q)]
+        exits: list[int] = []
+        if self.agreement_rounds > 0 and texts is not None:
+            anchor = self.keep if self.keep is not None and self.keep in drafting else best
+            for m in drafting:
+                same = m != anchor and m in texts and anchor in texts and texts[m] == texts[anchor]
+                self.agreeing[m] = self.agreeing.get(m, 0) + 1 if same else 0
+                if self.agreeing[m] >= self.agreement_rounds and m not in (best, self.keep):
+                    exits.append(m)
+        if round_index < self.min_rounds:
+            return exits
         p = softmax(q, self.temperature)
         if entropy(p) >= self.entropy_ratio * math.log(len(drafting)):
-            return []
-        best = drafting[argmax_first(p)]
-        return [m for m, pm in zip(drafting, p, strict=True) if pm < self.min_prob and m not in (best, self.keep)]
+            return exits
+        return exits + [
+            m
+            for m, pm in zip(drafting, p, strict=True)
+            if pm < self.min_prob and m not in (best, self.keep) and m not in exits
+        ]

@@ -16,6 +16,8 @@ from specem_core import ConfigError, SpecEMConfig
         ("segment_len", 2.5),
         ("segment_len", True),
         ("max_new_tokens", -1),
+        ("exit_agreement_rounds", -1),
+        ("exit_agreement_rounds", 1.5),
         ("temperature", -0.1),
         ("temperature", float("nan")),
         ("top_p", 0.0),

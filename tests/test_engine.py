@@ -134,6 +134,21 @@ def test_model_exit_can_keep_the_member_the_weights_trust(
     assert "c" not in result.segments[-1].drafters
 
 
+@pytest.mark.parametrize("agreement_rounds", [0, 2])
+def test_model_exit_stops_a_drafter_that_keeps_agreeing_with_the_trusted_one(agreement_rounds: int) -> None:
+    a, b = (ScriptedMember(n, drafts=[("x ", False)]) for n in "ab")
+    c = ScriptedMember("c", drafts=[("y ", False)], scorer=lambda committed, cand: 1.0)
+    cfg = SpecEMConfig(model_exit=True, exit_min_rounds=100, max_new_tokens=12, exit_agreement_rounds=agreement_rounds)
+    prior = {"a": 5.0, "b": 1.0, "c": 1.0}
+    result = SpecEM([a, b, c], cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
+    drafters = [seg.drafters for seg in result.segments]
+    assert all("a" in d and "c" in d for d in drafters)  # the anchor never exits; c never agrees
+    if agreement_rounds:
+        assert [("b" in d) for d in drafters[:3]] == [True, True, False]
+    else:
+        assert all("b" in d for d in drafters)
+
+
 def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:
     good = ScriptedMember("good", drafts=[("fine", True)])
     bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})

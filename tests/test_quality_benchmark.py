@@ -45,7 +45,7 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     from specem_core import SpecEM, SpecEMConfig
     from specem_core.weights import MemberWeights
 
-    def build_engine(name: str, task: str = "") -> Any:
+    def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
         members = {"smollm2": [tiny.member("llama", name="smol")], "qwen": [tiny.member("qwen2", name="qwen")]}
         chosen = members.get(name, [tiny.member("llama", name="smol"), tiny.member("qwen2", name="qwen")])
         spec = module.CONFIGS[name]
@@ -120,6 +120,19 @@ def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
     text = quality.report()
     assert "GSM8K dev (8 new tokens): first 2 prompts, every configuration" in text
     assert "| learned | 2 |" in text
+
+
+def test_cost_times_several_configurations_side_by_side_against_one_member(quality: Any) -> None:
+    text = quality.cost("gsm8k", ["default", "seg5"], "qwen", limit=2)
+    assert len(text.splitlines()) == 2
+    for name in ("default", "seg5"):
+        out = json.loads((quality.RESULTS / "gsm8k" / f"cost_{name}_vs_qwen.json").read_text())
+        assert out["measured_with"] == ["qwen", "default", "seg5"]  # one run, alternating prompt by prompt
+        assert out["prompts"] == 2
+        assert [set(row) for row in out["rows"]] == [{"key", "qwen", name}] * 2
+        expected = sum(r[name]["seconds"] for r in out["rows"]) / sum(r["qwen"]["seconds"] for r in out["rows"])
+        assert out["ratio_per_answer"] == pytest.approx(expected)
+        assert f"{name} {out['seconds_per_answer'][name]:.1f} s/answer" in text
 
 
 @pytest.mark.parametrize(

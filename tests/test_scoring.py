@@ -137,3 +137,25 @@ def test_model_exit_keeps_members_while_uncertain() -> None:
     rule = ModelExit(temperature=1.0, entropy_ratio=0.5, min_prob=0.1, min_rounds=1)
     assert rule.update(5, [0, 1], {0: 0.5, 1: 0.5}) == []
     assert entropy([0.5, 0.5]) == pytest.approx(math.log(2))
+
+
+def test_model_exit_stops_a_member_that_keeps_drafting_the_anchors_text() -> None:
+    rule = ModelExit(temperature=1.0, entropy_ratio=0.0, min_prob=0.1, min_rounds=100, keep=0, agreement_rounds=2)
+    even = {0: 0.5, 1: 0.5, 2: 0.5}
+    same, other = ("a", False), ("b", False)
+    assert rule.update(1, [0, 1, 2], even, {0: same, 1: same, 2: other}) == []
+    # member 2 agreed once, member 1 twice running: only member 1 exits, and never the anchor
+    assert rule.update(2, [0, 1, 2], even, {0: same, 1: same, 2: same}) == [1]
+    # a round of disagreement restarts the count
+    assert rule.update(3, [0, 2], even, {0: same, 2: other}) == []
+    assert rule.update(4, [0, 2], even, {0: same, 2: same}) == []
+    assert rule.update(5, [0, 2], even, {0: same, 2: same}) == [2]
+
+
+def test_model_exit_agreement_is_off_by_default_and_anchors_on_the_leader_without_keep() -> None:
+    texts = {0: "x", 1: "x"}
+    off = ModelExit(temperature=1.0, entropy_ratio=0.0, min_prob=0.1, min_rounds=100)
+    assert [off.update(k, [0, 1], {0: 0.5, 1: 0.5}, texts) for k in (1, 2, 3)] == [[], [], []]
+    rule = ModelExit(temperature=1.0, entropy_ratio=0.0, min_prob=0.1, min_rounds=100, agreement_rounds=1)
+    # member 1 leads by votes, so member 0 (agreeing with it) is the one that exits
+    assert rule.update(1, [0, 1], {0: 0.4, 1: 0.6}, texts) == [0]
