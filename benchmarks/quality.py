@@ -42,6 +42,8 @@ V2: dict[str, Any] = {
     "exit_temperature": 0.2,
     "exit_keep_trusted": False,  # v2/v3 ran before it existed (now on by default): off reproduces them
 }
+V4: dict[str, Any] = {**V2, "exit_keep_trusted": True}  # (the default now)
+V4_WEIGHTS: dict[str, Any] = {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1}
 CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
@@ -80,25 +82,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # trio-v3's prior came from the other task and rated SmolLM2 0.24 on GSM8K), and Model Exit
     # never stops the member the weights trust most (trio-v3 lost 6 problems where exit had
     # stopped the 1.5B and the 0.5B answered alone)
-    "trio-v4": {
-        "members": [Q15, Q05, SMOL],
-        "config": {**V2, "exit_keep_trusted": True},  # (the default now)
-        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
-    },
+    "trio-v4": {"members": [Q15, Q05, SMOL], "config": V4, "weights": V4_WEIGHTS},
     # goal 1's other half for v4: the pair without SmolLM2 (IFEval is where SmolLM2 is not gated)
-    "pair-v4": {
-        "members": [Q15, Q05],
-        "config": {**V2, "exit_keep_trusted": True},
-        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
-    },
+    "pair-v4": {"members": [Q15, Q05], "config": V4, "weights": V4_WEIGHTS},
     # v5: trio-v4 plus exit by agreement: a drafter that drafted the trusted member's text two
     # rounds running stops (trio-v4's 0.5B drafted 46% of GSM8K rounds; in half of those its
     # candidate was the 1.5B's, and a replay of the traces put this rule at about 1.25x the 1.5B)
-    "trio-v5": {
-        "members": [Q15, Q05, SMOL],
-        "config": {**V2, "exit_keep_trusted": True, "exit_agreement_rounds": 2},
-        "weights": {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1},
-    },
+    "trio-v5": {"members": [Q15, Q05, SMOL], "config": {**V4, "exit_agreement_rounds": 2}, "weights": V4_WEIGHTS},
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""

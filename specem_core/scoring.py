@@ -178,21 +178,19 @@ class ModelExit:
             return []
         q = [self.cumulative.get(m, 0.0) for m in drafting]
         best = drafting[argmax_first(q)]
+        protected = {best, self.keep}
         exits: list[int] = []
         if self.agreement_rounds > 0 and texts is not None:
             anchor = self.keep if self.keep is not None and self.keep in drafting else best
             for m in drafting:
                 same = m != anchor and m in texts and anchor in texts and texts[m] == texts[anchor]
                 self.agreeing[m] = self.agreeing.get(m, 0) + 1 if same else 0
-                if self.agreeing[m] >= self.agreement_rounds and m not in (best, self.keep):
+                if self.agreeing[m] >= self.agreement_rounds and m not in protected:
                     exits.append(m)
         if round_index < self.min_rounds:
             return exits
         p = softmax(q, self.temperature)
         if entropy(p) >= self.entropy_ratio * math.log(len(drafting)):
             return exits
-        return exits + [
-            m
-            for m, pm in zip(drafting, p, strict=True)
-            if pm < self.min_prob and m not in (best, self.keep) and m not in exits
-        ]
+        protected.update(exits)
+        return exits + [m for m, pm in zip(drafting, p, strict=True) if pm < self.min_prob and m not in protected]
