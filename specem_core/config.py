@@ -96,13 +96,15 @@ class SpecEMConfig:
     exit_min_rounds: int = 3
     """k_min: no exit before this many rounds."""
     exit_keep_trusted: bool = True
-    """Model Exit never stops the drafter with the highest starting weight from the engine's
-    :class:`~specem_core.weights.MemberWeights` (its prior, e.g. accuracy alone on a labelled
-    calibration set, times what it learned). Votes measure likelihood, not correctness: without
-    this, exit can stop the stronger member and leave the answer to a weaker one whose text is
-    more predictable (GSM8K, README "Quality" v4: the 1.5B stopped drafting in a third of the
-    answers and the ensemble fell 4.5 points below it; kept drafting, 2 points above). No effect
-    without member weights or when the top weight is shared; ``False`` lets votes alone decide."""
+    """Model Exit never stops the trusted drafter: the one with the highest prior in the engine's
+    :class:`~specem_core.weights.MemberWeights` (e.g. accuracy alone on a labelled calibration
+    set); among equal priors the larger model (``draft_cost``, where the backend knows it), then
+    the higher learned weight. Votes measure likelihood, not correctness: without this, exit can
+    stop the stronger member and leave the answer to a weaker one whose text is more predictable
+    (GSM8K, README "Quality" v4: the 1.5B stopped drafting in a third of the answers and the
+    ensemble fell 4.5 points below it; kept drafting, 2 points above). What the weights learned
+    comes from those same votes, so it only breaks the last tie (v6). No effect without member
+    weights or when a tie remains; ``False`` lets votes alone decide."""
     exit_agreement_rounds: int = 0
     """Model Exit also stops a drafter whose candidate was the same text as that of the member exit
     keeps (the trusted one, ``exit_keep_trusted``; else the leader by votes) in this many

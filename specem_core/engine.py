@@ -590,14 +590,25 @@ class _Run:
         return {i: 1.0 / len(verifiers) for i in verifiers}
 
     def _trusted_drafter(self, weights: dict[int, float]) -> int | None:
-        """The drafter with the highest starting weight from the member weights, when one has it
-        alone (``exit_keep_trusted``); ``None`` without member weights."""
-        if self.learned is None:
+        """The drafter Model Exit never stops (``exit_keep_trusted``): the one with the highest
+        prior in the member weights; among equal priors the larger model (``draft_cost``), then
+        the higher starting weight. ``None`` without member weights or when a tie remains.
+
+        The prior comes first because it is the evidence of correctness (e.g. accuracy on a
+        labelled set), while what the weights learned comes from votes, i.e. likelihood: learned
+        weights that broke a tie in the prior gave the trust to the 0.5B on IFEval, exit then
+        stopped the 1.5B in half of the answers, and that half lost (README "Quality" v6)."""
+        learned = self.learned
+        if learned is None:
             return None
-        drafters = sorted((w, i) for i, w in weights.items() if self.members[i].can_draft)
-        if not drafters or (len(drafters) > 1 and drafters[-1][0] == drafters[-2][0]):
+        ranked = sorted(
+            ((learned.prior_of(self.members[i].name), _draft_cost(self.members[i]), w), i)
+            for i, w in weights.items()
+            if self.members[i].can_draft
+        )
+        if not ranked or (len(ranked) > 1 and ranked[-1][0] == ranked[-2][0]):
             return None
-        return drafters[-1][1]
+        return ranked[-1][1]
 
     def _completion_tokens(self) -> int:
         return self.sessions[self._active()[0]].completion_tokens if self.sessions else 0

@@ -193,16 +193,19 @@ class MemberWeights:
                 return n
         return len(self.history)
 
+    def prior_of(self, name: str) -> float:
+        """Member ``name``'s prior: as given, else the mean of the given priors (1 without any)."""
+        return self.prior.get(name, sum(self.prior.values()) / len(self.prior) if self.prior else 1.0)
+
     def _weights(self, names: Sequence[str]) -> list[float]:
         if not names:
             return []
-        fallback = sum(self.prior.values()) / len(self.prior) if self.prior else 1.0
         logs = []
         for name in names:
             seen = self.counts.get(name, 0)
             learned = self.learning_rate * self.cumulative.get(name, 0.0) / math.sqrt(seen) if seen else 0.0
             learned = max(-self.max_log_ratio, min(self.max_log_ratio, learned))
-            logs.append(math.log(self.prior.get(name, fallback)) + learned)
+            logs.append(math.log(self.prior_of(name)) + learned)
         top = max(logs)
         raw = [math.exp(v - top) for v in logs]
         total = sum(raw)

@@ -134,6 +134,32 @@ def test_model_exit_can_keep_the_member_the_weights_trust(
     assert "c" not in result.segments[-1].drafters
 
 
+@pytest.mark.parametrize(
+    ("prior", "costs", "votes_favour"),
+    [
+        ({"a": 1.0, "b": 5.0, "c": 1.0}, (0.0, 0.0, 0.0), "a"),  # learned weights put a on top; the prior wins
+        ({"a": 5.0, "b": 5.0, "c": 1.0}, (1.0, 2.0, 0.0), "a"),  # priors tie: the larger model
+    ],
+)
+def test_model_exit_trusts_the_prior_over_weights_learned_from_votes(
+    prior: dict[str, float], costs: tuple[float, float, float], votes_favour: str
+) -> None:
+    prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
+    members = [
+        ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a, draft_cost=cost)
+        for n, cost in zip("abc", costs, strict=True)
+    ]
+    weights = MemberWeights(prior)
+    for _ in range(36):  # requests where a's votes always agreed with the winner
+        weights.observe({n: [1.0 if n == votes_favour else 0.0] for n in "abc"})
+    start = dict(zip("abc", weights.start(list("abc")), strict=True))
+    assert max(start, key=start.__getitem__) == "a"  # what the votes taught
+    cfg = SpecEMConfig(model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10)
+    result = SpecEM(members, cfg, weights=weights).generate("q")
+    assert "b" in result.segments[-1].drafters  # kept: the prior (or the model size) trusts it
+    assert "c" not in result.segments[-1].drafters
+
+
 @pytest.mark.parametrize("agreement_rounds", [0, 2])
 def test_model_exit_stops_a_drafter_that_keeps_agreeing_with_the_trusted_one(agreement_rounds: int) -> None:
     a, b = (ScriptedMember(n, drafts=[("x ", False)]) for n in "ab")

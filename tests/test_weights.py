@@ -20,6 +20,7 @@ def test_prior_is_normalized_over_the_request_verifiers_and_unknown_members_get_
     assert w.start(["big", "small"]) == pytest.approx([0.75, 0.25])
     assert w.start(["small", "new"]) == pytest.approx([1 / 3, 2 / 3])  # "new" gets the mean prior, 2
     assert MemberWeights().start(["a", "b", "c"]) == pytest.approx([1 / 3] * 3)
+    assert (w.prior_of("big"), w.prior_of("new"), MemberWeights().prior_of("a")) == (3.0, 2.0, 1.0)
 
 
 def test_equal_rewards_teach_nothing_and_better_rewards_move_weight() -> None:
