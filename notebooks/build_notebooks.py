@@ -187,7 +187,7 @@ BENCHMARKS = [
         "from specem_core.weights import MemberWeights\n\n"
         "states = sorted((root / 'benchmarks' / 'results' / 'quality').glob('*/*.weights.json'))\n"
         "if states:\n"
-        "    cols = min(6, len(states)); rows = -(-len(states) // cols)  # a grid keeps the figure (and notebook) small\n"
+        "    cols = min(6, len(states)); rows = -(-len(states) // cols)  # a grid keeps the notebook small\n"
         "    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.0 * rows), squeeze=False)\n"
         "    for ax, path in zip(axes.flat, states):\n"
         "        state = MemberWeights.load(path)\n"
