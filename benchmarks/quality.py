@@ -44,6 +44,7 @@ V2: dict[str, Any] = {
 }
 V4: dict[str, Any] = {**V2, "exit_keep_trusted": True}  # (the default now)
 V4_WEIGHTS: dict[str, Any] = {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1}
+V5: dict[str, Any] = {**V4, "exit_agreement_rounds": 2}
 CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
@@ -88,14 +89,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # v5: trio-v4 plus exit by agreement: a drafter that drafted the trusted member's text two
     # rounds running stops (trio-v4's 0.5B drafted 46% of GSM8K rounds; in half of those its
     # candidate was the 1.5B's, and a replay of the traces put this rule at about 1.25x the 1.5B)
-    "trio-v5": {"members": [Q15, Q05, SMOL], "config": {**V4, "exit_agreement_rounds": 2}, "weights": V4_WEIGHTS},
+    "trio-v5": {"members": [Q15, Q05, SMOL], "config": V5, "weights": V4_WEIGHTS},
     # trio-v5 scored by mean log-probability instead of mean raw logit (trio-v5's IFEval rounds:
     # under raw logits a member's own greedy opening that follows a format instruction, e.g. all
     # lowercase, can lose to a weaker member's generic opening that even the 1.5B's logits rate
     # higher). Rejected: run before v6's exit rule, it scored below trio-v5 (README "Quality" v6)
     "trio-v5-logprob": {
         "members": [Q15, Q05, SMOL],
-        "config": {**V4, "exit_agreement_rounds": 2, "scoring": "mean_logprob"},
+        "config": {**V5, "scoring": "mean_logprob"},
         "weights": V4_WEIGHTS,
     },
     # v6: trio-v5's settings, run after Model Exit's trusted member came to be chosen by the prior
@@ -103,9 +104,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # IFEval prompts 61-120 the Qwen priors tie, the votes taught the weights to trust the 0.5B,
     # and exit stopped the 1.5B in 32 of those 60 answers, where the ensemble lost 14 instructions
     # and gained 9). On GSM8K and IFEval prompts 1-60 both rules keep the 1.5B in every request.
-    "trio-v6": {"members": [Q15, Q05, SMOL], "config": {**V4, "exit_agreement_rounds": 2}, "weights": V4_WEIGHTS},
+    "trio-v6": {"members": [Q15, Q05, SMOL], "config": V5, "weights": V4_WEIGHTS},
     # goal 1's other half for v6: trio-v6 without SmolLM2
-    "pair-v6": {"members": [Q15, Q05], "config": {**V4, "exit_agreement_rounds": 2}, "weights": V4_WEIGHTS},
+    "pair-v6": {"members": [Q15, Q05], "config": V5, "weights": V4_WEIGHTS},
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""
