@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import random
 import re
@@ -30,6 +29,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from specem_core.calibration import choice_letter, last_number, sign_test
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_DIR = Path(os.environ.get("SPECEM_EVAL_DIR", ROOT.parent / "shared" / "eval"))
@@ -270,32 +271,7 @@ def trace_round(seg: Any) -> dict[str, Any]:
     }
 
 
-def arc_letter(reply: str, labels: Sequence[str] = ("A", "B", "C", "D", "E")) -> str | None:
-    """The option label a reply names ("B", "B.", "The answer is B", "(B) ...", "3" for numbered options)."""
-    alts = "|".join(re.escape(label) for label in labels)
-    text = reply.strip()
-    m = re.match(rf"^\(?({alts})\b", text)
-    if m:
-        return m.group(1)
-    m = re.search(rf"answer(?: is|:)?\s*\(?({alts})\b", text, re.IGNORECASE)
-    if m:
-        return m.group(1).upper()
-    m = re.search(rf"\b({alts})\b", text)
-    return m.group(1) if m else None
-
-
-_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
-
-
-def last_number(reply: str) -> float | None:
-    """The last number in a reply ("... is $1,250." -> 1250.0); None when it names none."""
-    found = _NUMBER.findall(reply)
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", "").replace("$", ""))
-    except ValueError:
-        return None
+arc_letter = choice_letter  # the library's graders (specem_core.calibration), as the study used them
 
 
 def gsm8k_correct(reply: str, final: str) -> bool:
@@ -533,15 +509,6 @@ def passes(task: str, recs: list[dict[str, Any]]) -> dict[str, bool]:
         str(r["key"]): arc_letter(r["response"], rows[r["key"]]["choices"]["label"]) == rows[r["key"]]["answerKey"]
         for r in recs
     }
-
-
-def sign_test(gains: int, losses: int) -> float:
-    """Two-sided exact sign test on the discordant pairs (ties dropped): P(as extreme | p = 1/2)."""
-    n = gains + losses
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(gains, losses) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def bootstrap_ci(diffs: Sequence[int], draws: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -784,6 +751,74 @@ def drafting(task: str, name: str, against: str) -> str:
     return "\n".join(lines)
 
 
+def calibration_size(task: str, sizes: Sequence[int], draws: int = 10_000, seed: int = 0) -> str:
+    """How many labelled examples a prior needs: draw calibration sets of each size from the
+    members' recorded answers alone (all of the task), and count how often the prior trusts the
+    member that is best on the whole set (exit's rule: the highest prior, among equal priors the
+    larger model — here the 1.5B), and how often the set separates the top two (sign test)."""
+    members = [Q15, Q05, SMOL]  # in size order: a tie goes to the earlier (larger) one
+    grades = {m: passes(task, records(task, ALONE[m])) for m in members}
+    keys = sorted(set.intersection(*(set(g) for g in grades.values())))
+    if not keys:
+        raise SystemExit(f"run {', '.join(ALONE[m] for m in members)} alone on {task} first")
+    full = {m: sum(grades[m][k] for k in keys) for m in members}
+    best = max(members, key=lambda m: full[m])  # max keeps the first (larger) among equals
+    rng = random.Random(seed)
+    rows = []
+    for n in [*sorted(n for n in sizes if n < len(keys)), len(keys)]:
+        trusted = separated = 0
+        shares: dict[str, list[float]] = {m: [] for m in members}
+        for _ in range(draws if n < len(keys) else 1):
+            pick = rng.sample(keys, n)
+            score = {m: 100 * sum(grades[m][k] for k in pick) / n for m in members}
+            top = max(members, key=lambda m: score[m])
+            second = max((m for m in members if m != top), key=lambda m: score[m])
+            trusted += top == best
+            better = sum(grades[top][k] and not grades[second][k] for k in pick)
+            worse = sum(grades[second][k] and not grades[top][k] for k in pick)
+            separated += sign_test(better, worse) < 0.05
+            total = sum(1 + score[m] for m in members)
+            for m in members:
+                shares[m].append((1 + score[m]) / total)
+        runs = draws if n < len(keys) else 1
+        median = {ALONE[m]: sorted(v)[len(v) // 2] for m, v in shares.items()}
+        rows.append({"n": n, "draws": runs, "trusts_best": trusted / runs, "separated": separated / runs, **median})
+    out = RESULTS / task / "calibration_size.json"
+    out.write_text(json.dumps({"task": task, "best": ALONE[best], "full_scores": {ALONE[m]: 100 * full[m] / len(keys)
+                                for m in members}, "rows": rows}, indent=1) + "\n")  # fmt: skip
+    lines = [
+        f"{task}: best member on all {len(keys)} = {ALONE[best]} "
+        + ", ".join(f"{ALONE[m]} {100 * full[m] / len(keys):.1f}" for m in members),
+        "| examples | draws | prior trusts the best member | top two separated (p < 0.05) | median prior share "
+        + " / ".join(ALONE[m] for m in members)
+        + " |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['n']} | {r['draws']} | {100 * r['trusts_best']:.0f}% | {100 * r['separated']:.0f}% | "
+            + " / ".join(f"{r[ALONE[m]]:.2f}" for m in members)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def calibration_check(task: str, path: Path) -> str:
+    """Whether ``specem calibrate --records`` answered as the study's members-alone runs did:
+    per member, how many replies equal the recorded ones character for character (the records'
+    ``example`` indexes count from the top of the task's data file)."""
+    rows = load_rows(task, None)
+    names = {Q15: "qwen2.5-coder-1.5b-instruct", Q05: "qwen2.5-coder-0.5b-instruct", SMOL: "smollm2-135m-instruct"}
+    calibrated = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = []
+    for spec, name in names.items():
+        alone = {str(r["key"]): r["response"] for r in records(task, ALONE[spec])}
+        mine = [r for r in calibrated if r["member"] == name]
+        same = sum(alone.get(prompt_of(task, rows[r["example"]])[0]) == r["reply"] for r in mine)
+        lines.append(f"{ALONE[spec]}: {same} of {len(mine)} replies identical to {task}/{ALONE[spec]}.jsonl")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -804,8 +839,19 @@ def main() -> None:
     c.add_argument("config", nargs="+", choices=sorted(CONFIGS), help="several: measured side by side in one run")
     c.add_argument("--against", required=True, choices=sorted(CONFIGS))
     c.add_argument("--limit", type=int, default=10)
+    s = sub.add_parser("calibration-size", help="how many labelled examples a prior needs (from members-alone runs)")
+    s.add_argument("task", choices=["gsm8k", "ifeval"])
+    s.add_argument("--sizes", nargs="+", type=int, default=[10, 20, 50, 100])
+    s.add_argument("--draws", type=int, default=10_000)
+    k = sub.add_parser("calibration-check", help="did specem calibrate answer as the members-alone runs did")
+    k.add_argument("task", choices=["gsm8k", "ifeval"])
+    k.add_argument("records", type=Path, help="the JSONL written by specem calibrate --records")
     args = parser.parse_args()
-    if args.command == "run":
+    if args.command == "calibration-check":
+        print(calibration_check(args.task, args.records))
+    elif args.command == "calibration-size":
+        print(calibration_size(args.task, args.sizes, args.draws))
+    elif args.command == "run":
         names = list(CONFIGS) if args.configs == ["all"] else args.configs
         unknown = [n for n in names if n not in CONFIGS]
         if unknown:

@@ -96,6 +96,27 @@ QUICKSTART = [
         "plt.show()\n"
         "exit_result.members_per_round"
     ),
+    new_markdown_cell(
+        "## A prior from a few labelled examples\n\n"
+        "Votes measure likelihood, not correctness. `calibrate` runs each drafting member alone on labelled "
+        "examples and grades the replies; `1 + score in %` becomes the `MemberWeights` prior the engine starts "
+        "every request from (and Model Exit never stops the member it trusts). Six examples are a demo, not a "
+        "calibration: `paired` says whether the set separates the two members at all."
+    ),
+    new_code_cell(
+        "from specem_core.calibration import calibrate\n\n"
+        "examples = [{'prompt': f'What is {a} + {b}? Reply with the number only.', 'answer': a + b}\n"
+        "            for a, b in [(2, 3), (7, 5), (12, 9), (20, 22), (15, 15), (31, 8)]]\n"
+        "calibration = calibrate(members[:2], examples, grade='number', max_new_tokens=12)\n"
+        "for s in calibration.scores.values():\n"
+        "    print(f'{s.member:>30}: {s.score:5.1f}%  errors={s.errors}  {s.seconds / s.examples:.2f} s/answer')\n"
+        "print('prior:', calibration.prior)\n"
+        "print('better / worse / sign test p:', calibration.paired(calibration.best, calibration.runner_up))\n"
+        "calibrated = SpecEM(members[:2], SpecEMConfig(max_new_tokens=48, normalization='softmax'),\n"
+        "                    weights=calibration.weights())\n"
+        "print(calibrated.generate('What is 14 + 27? Reply with the number only.').text)\n"
+        "calibrated.weights.current()"
+    ),
     new_markdown_cell("## Streaming: one event per committed segment"),
     new_code_cell(
         "for event in engine.stream('Say hello in French and in Spanish.', max_new_tokens=24):\n"

@@ -1,4 +1,5 @@
-"""``specem`` command line: ``specem chat "question"``, ``specem models list|pull`` and ``specem serve``."""
+"""``specem`` command line: ``specem chat "question"``, ``specem models list|pull``, ``specem serve`` and
+``specem calibrate``."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
     )
+    _set_argument(chat)
     _backend_argument(chat)
     chat.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     chat.add_argument("--json", action="store_true", help="print the full result with the per-round trace as JSON")
@@ -70,7 +72,64 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="assemble / convert again even if cached")
     _backend_argument(pull)
     _serve_parser(sub)
+    _calibrate_parser(sub)
     return parser
+
+
+def _set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        dest="set_options",
+        help="any SpecEMConfig field (repeatable), e.g. --set normalization=softmax --set exit_temperature=0.2; "
+        "applied after the other options",
+    )
+
+
+def _calibrate_parser(sub: Any) -> None:
+    """``specem calibrate``: each member alone on a labelled set -> a member-weights prior file."""
+    cal = sub.add_parser(
+        "calibrate",
+        help="grade each member alone on a labelled JSONL set and write a member-weights file with the prior "
+        "(1 + score in %%) for --weights",
+    )
+    cal.add_argument("data", help="JSONL, one example per line: 'prompt' (or 'messages') and 'answer'")
+    cal.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a member (repeatable), as for 'specem chat --model'; default: the embedded default pair",
+    )
+    cal.add_argument(
+        "--grader",
+        choices=["exact", "contains", "number", "choice"],
+        default="exact",
+        help="exact (normalized equality, the default), contains, number (the last number in the reply: "
+        "GSM8K-style) or choice (the option letter named: multiple choice)",
+    )
+    cal.add_argument("--out", required=True, metavar="PATH", help="member-weights file to write (for --weights)")
+    cal.add_argument("--force", action="store_true", help="overwrite --out when it exists (it may hold learned state)")
+    cal.add_argument(
+        "--prompt-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="build each prompt from the row's fields, e.g. '{question}\\nAnswer with a number.' "
+        "(default: the row's 'prompt')",
+    )
+    cal.add_argument("--answer-field", default="answer", help="the field with the expected answer (default answer)")
+    cal.add_argument("--limit", type=int, default=None, help="use the first N examples")
+    cal.add_argument("--records", default=None, metavar="PATH", help="write every reply and its grade here (JSONL)")
+    cal.add_argument("--min-share", type=float, default=None, metavar="SHARE", help="gate stored in the file")
+    cal.add_argument(
+        "--learning-rate", type=float, default=1.0, help="eta0 of the weights learned on top of the prior (default 1)"
+    )
+    cal.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default 256: use your serving cap)")
+    _backend_argument(cal)
+    cal.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    cal.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
+    _set_argument(cal)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -136,6 +195,7 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
     serve.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
     serve.add_argument("--token-healing", action="store_true", help="drafters redraw the last committed token")
+    _set_argument(serve)
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
     )
@@ -185,7 +245,58 @@ def _config(args: argparse.Namespace) -> SpecEMConfig:
         overrides["faithful"] = True
     if args.token_healing:
         overrides["token_healing"] = True
-    return SpecEMConfig().replace(**overrides)
+    return _with_set_options(SpecEMConfig().replace(**overrides), args.set_options)
+
+
+def _with_set_options(config: SpecEMConfig, items: Sequence[str]) -> SpecEMConfig:
+    """``config`` with the ``--set`` items applied last (``none`` really unsets, e.g. a seed)."""
+    import dataclasses
+
+    return dataclasses.replace(config, **_set_options(items)) if items else config
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _set_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` items as typed SpecEMConfig overrides (unknown fields and bad values raise)."""
+    import dataclasses
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(SpecEMConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not sep or not name:
+            raise ConfigError(f"--set expects FIELD=VALUE, got {item!r}")
+        if name not in types:
+            raise ConfigError(f"--set: unknown SpecEM option {name!r}")
+        kind = types[name]
+        try:
+            if kind.startswith("bool"):
+                if kind.endswith("None") and raw.lower() in ("none", "auto"):
+                    value: Any = None
+                elif raw.lower() in _TRUE + _FALSE:
+                    value = raw.lower() in _TRUE
+                else:
+                    raise ValueError("expected true or false")
+            elif kind.startswith("int"):
+                value = None if kind.endswith("None") and raw.lower() == "none" else int(raw)
+            elif kind == "float":
+                value = float(raw)
+            elif kind.startswith("tuple"):
+                value = json.loads(raw) if raw.startswith("[") else (raw,)
+            elif kind.startswith("dict"):
+                value = json.loads(raw)
+                if not isinstance(value, dict):
+                    raise ValueError("expected a JSON object")
+            else:  # the choice fields: validated by SpecEMConfig
+                value = raw
+        except ValueError as exc:
+            raise ConfigError(f"--set {name}: cannot read {raw!r} ({exc})") from None
+        out[name] = value
+    return out
 
 
 def _backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -392,6 +503,60 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if started else 1
 
 
+def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Each member alone on the labelled set; write the prior as a member-weights file."""
+    from pathlib import Path
+
+    from specem_core.calibration import calibrate, load_examples
+    from specem_core.weights import MemberWeights
+
+    target = Path(args.out)
+    if target.exists() and not args.force:
+        raise SpecEMError(f"--out {target} exists (it may hold learned weights); pass --force to overwrite it")
+    if args.limit is not None and args.limit < 1:
+        raise SpecEMError(f"--limit must be at least 1, got {args.limit}")
+    options: dict[str, float] = {"learning_rate": args.learning_rate}
+    if args.min_share is not None:
+        options["min_share"] = args.min_share
+    MemberWeights({}, **options)  # validate the options before loading anything
+    config = _with_set_options(SpecEMConfig().replace(max_new_tokens=args.max_new_tokens), args.set_options)
+    template = args.prompt_template
+    if template is not None:  # "\n" typed on a shell command line means a line break
+        template = template.replace("\\n", "\n").replace("\\t", "\t")
+    examples = load_examples(args.data, prompt_template=template, answer_field=args.answer_field, limit=args.limit)
+    if not examples:
+        raise SpecEMError(f"{args.data} holds no examples")
+    members = _load_members(argparse.Namespace(**{**vars(args), "verifier": []}), err, api_key_env=args.api_key_env)
+
+    def progress(member: str, done: int, total: int) -> None:
+        if done == total or done % 10 == 0:
+            print(f"{member}: {done}/{total}", file=err, flush=True)
+
+    result = calibrate(members, examples, args.grader, config=config, progress=progress)
+    weights = result.weights(**options)
+    weights.save(target)
+    if args.records:
+        with open(args.records, "w", encoding="utf-8") as fh:
+            for record in result.records:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    width = max(len(name) for name in result.scores)
+    out.write(f"{'member':{width}}  score  errors  s/answer  prior\n")
+    for name, s in result.scores.items():
+        out.write(
+            f"{name:{width}}  {s.score:5.1f}  {s.errors:6d}  {s.seconds / s.examples:8.2f}  {result.prior[name]:5.1f}\n"
+        )
+    second = result.runner_up
+    if second is not None:
+        better, worse, p = result.paired(result.best, second)
+        verdict = "separated" if p < 0.05 else "NOT separated at this size: add examples before trusting the ranking"
+        out.write(
+            f"best {result.best} against {second}: better on {better}, worse on {worse} examples, "
+            f"sign test p = {p:.2f} ({verdict})\n"
+        )
+    out.write(f"wrote {target} ({len(examples)} examples, grader {args.grader}); serve with --weights {target}\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specem`` console script."""
     args = _parser().parse_args(argv)
@@ -401,6 +566,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(args, out, err)
         if args.command == "serve":
             return _serve(args, out, err)
+        if args.command == "calibrate":
+            return _calibrate(args, out, err)
         return _models(args, out, err)
     except (SpecEMError, ValueError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -148,6 +148,11 @@ class SpecEMConfig:
         _int_at_least("exit_min_rounds", self.exit_min_rounds, 1)
         _int_at_least("exit_agreement_rounds", self.exit_agreement_rounds, 0)
         _int_at_least("member_retries", self.member_retries, 0)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.parallel is not None and not isinstance(self.parallel, bool):
+            raise ConfigError(f"parallel must be True, False or None, got {self.parallel!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
         _finite_at_least("temperature", self.temperature, 0.0)
@@ -193,6 +198,18 @@ class SpecEMConfig:
         out = dataclasses.asdict(self)
         out["stop"] = list(self.stop)
         return out
+
+
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "token_healing",
+    "hedge",
+    "model_exit",
+    "exit_keep_trusted",
+    "eos_voting",
+    "draft_hints",
+    "faithful",
+)
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:

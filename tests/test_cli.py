@@ -134,3 +134,78 @@ def test_chat_learns_weights_in_a_state_file(
     assert main([*args, "--weights", str(gated), "--min-share", "0.2", "--json"]) == 0
     assert json.loads(gated.read_text())["min_share"] == 0.2
     assert json.loads(capsys.readouterr().out)["excluded"] == []  # two members at 1/2 each: nobody gated
+
+
+def test_set_maps_any_config_field() -> None:
+    from specem_core.cli import _config, _parser
+
+    sets = ["normalization=softmax", "exit_temperature=0.2", "exit_agreement_rounds=2", "draft_hints=off"]
+    sets += ['stop=["\\n\\n", "END"]', "seed=none", "parallel=auto", "self_vote=exclude"]
+    args = _parser().parse_args(["chat", "hi", "--model-exit", *(x for item in sets for x in ("--set", item))])
+    config = _config(args)
+    assert (config.normalization, config.exit_temperature, config.exit_agreement_rounds) == ("softmax", 0.2, 2)
+    assert (config.model_exit, config.draft_hints, config.stop) == (True, False, ("\n\n", "END"))
+    assert (config.seed, config.parallel, config.self_vote) == (None, None, "exclude")
+    assert _config(_parser().parse_args(["serve", "--set", "stop=###", "--segment-len", "4"])).stop == ("###",)
+    assert _config(_parser().parse_args(["chat", "hi", "--seed", "5", "--set", "seed=none"])).seed is None
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("nosuch=1", "--set: unknown SpecEM option 'nosuch'"),
+        ("model_exit=maybe", "--set model_exit: cannot read 'maybe' (expected true or false)"),
+        ("exit_temperature=warm", "--set exit_temperature: cannot read 'warm'"),
+        ("segment_len=2.5", "--set segment_len: cannot read '2.5'"),
+        ("normalization=max", "normalization must be one of sum, softmax; got 'max'"),
+        ("segment_len", "--set expects FIELD=VALUE, got 'segment_len'"),
+    ],
+)
+def test_set_rejects_unknown_fields_and_bad_values(item: str, message: str) -> None:
+    proc = _run("chat", "hi", "--set", item)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_calibrate_writes_a_prior_the_chat_command_loads(
+    tiny_dirs: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specem_core.weights import MemberWeights
+
+    data = tmp_path / "calib.jsonl"
+    data.write_text("\n".join(json.dumps({"q": q, "final": "4"}) for q in ("2 + 2?", "1 + 3?", "8 / 2?")) + "\n")
+    out, records = tmp_path / "weights.json", tmp_path / "records.jsonl"
+    args = ["calibrate", str(data), "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--out", str(out)]
+    args += ["--prompt-template", "{q}\\nAnswer with a number.", "--answer-field", "final", "--grader", "number"]
+    args += ["--max-new-tokens", "6", "--records", str(records), "--min-share", "0.1", "--limit", "2"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "member" in captured.out
+    assert f"wrote {out} (2 examples, grader number)" in captured.out
+    assert "qwen2: 2/2" in captured.err
+    assert "sign test p = " in captured.out
+    weights = MemberWeights.load(out)
+    assert set(weights.prior) == {"llama", "qwen2"}
+    assert weights.min_share == 0.1
+    assert all(1.0 <= p <= 101.0 for p in weights.prior.values())
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [(r["member"], r["example"]) for r in lines] == [("llama", 0), ("llama", 1), ("qwen2", 0), ("qwen2", 1)]
+    assert all(r["grade"] in (0.0, 1.0) and isinstance(r["reply"], str) for r in lines)
+    # the file it wrote is what --weights reads
+    chat = ["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "6"]
+    assert main([*chat, "--weights", str(out), "--json"]) == 0
+    capsys.readouterr()
+    # never overwrites learned state without --force; bad options fail before any model loads
+    assert main(args) == 2
+    assert "exists (it may hold learned weights); pass --force" in capsys.readouterr().err
+    assert main([*args, "--force"]) == 0
+    capsys.readouterr()
+    for extra, message in (
+        (["--limit", "0"], "--limit must be at least 1"),
+        (["--min-share", "2"], "min_share must be a number in [0, 1)"),
+        (["--answer-field", "answer"], "line 1: no 'answer' field"),
+        (["--set", "hedge=perhaps"], "--set hedge: cannot read 'perhaps'"),
+    ):
+        assert main([*args, "--force", *extra]) == 2
+        assert message in capsys.readouterr().err

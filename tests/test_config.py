@@ -34,6 +34,10 @@ from specem_core import ConfigError, SpecEMConfig
         ("stop", ("",)),
         ("stop", ("ok", "\ud800")),  # a lone surrogate: not valid Unicode
         ("member_retries", -1),
+        ("model_exit", "yes"),  # a truthy string is not a switch
+        ("hedge", 0),
+        ("faithful", "false"),
+        ("parallel", 1),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_field(field: str, value: Any) -> None:

@@ -227,3 +227,48 @@ def test_drafting_groups_answers_by_how_long_the_best_member_drafted(quality: An
     assert "| ≥ 90% | 1 | 1 | 1 | 0 | 0 |" in table
     assert "| 50–90% | 1 | 1 | 0 | 1 | 0 |" in table
     assert "| < 50% | 1 | 0 | 1 | 0 | 1 |" in table
+
+
+def test_calibration_size_counts_how_often_a_small_set_trusts_the_best_member(quality: Any) -> None:
+    rows = quality.load_rows("gsm8k", None)
+    keys = [quality.prompt_of("gsm8k", r)[0] for r in rows]
+    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+
+    def alone(name: str, right: list[bool]) -> None:
+        recs = [
+            {"key": k, "response": f"so {r['final'] if ok else 'none'}", "seconds": 1.0, "finish_reason": "stop"}
+            for k, r, ok in zip(keys, rows, right, strict=True)
+        ]
+        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    with pytest.raises(SystemExit, match="alone on gsm8k first"):
+        quality.calibration_size("gsm8k", [1, 2])
+    alone("1.5b", [True, True, False])
+    alone("0.5b", [False, False, True])
+    alone("smol", [False, False, False])
+    text = quality.calibration_size("gsm8k", [1, 2], draws=3000)
+    data = json.loads((quality.RESULTS / "gsm8k" / "calibration_size.json").read_text())
+    assert data["best"] == "1.5b"
+    by_n = {r["n"]: r for r in data["rows"]}
+    # one example: the 1.5B is right on 2 of 3 (trusted), on the third the 0.5B is first
+    assert by_n[1]["trusts_best"] == pytest.approx(2 / 3, abs=0.04)
+    # two examples: only the draw {2nd, 3rd} ties them, and a tie goes to the larger member
+    assert by_n[2]["trusts_best"] == 1.0
+    # the prior is 1 + score in %: (1 + 66.7) : (1 + 33.3) : 1
+    shares = {"1.5b": (1 + 200 / 3) / 103, "0.5b": (1 + 100 / 3) / 103, "smol": 1 / 103}
+    assert by_n[3] == pytest.approx({"n": 3, "draws": 1, "trusts_best": 1.0, "separated": 0.0, **shares})
+    assert "| 3 | 1 | 100% | 0% | 0.66 / 0.33 / 0.01 |" in text
+
+    calibrated = quality.RESULTS / "calibration.jsonl"
+    replies = [f"so {rows[0]['final']}", "so none", "so none"]  # the second differs from the 1.5B's recorded one
+    calibrated.write_text(
+        "".join(
+            json.dumps({"example": i, "member": "qwen2.5-coder-1.5b-instruct", "reply": reply}) + "\n"
+            for i, reply in enumerate(replies)
+        )
+    )
+    assert quality.calibration_check("gsm8k", calibrated).splitlines() == [
+        "1.5b: 2 of 3 replies identical to gsm8k/1.5b.jsonl",
+        "0.5b: 0 of 0 replies identical to gsm8k/0.5b.jsonl",
+        "smol: 0 of 0 replies identical to gsm8k/smol.jsonl",
+    ]
