@@ -108,6 +108,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "trio-v6": {"members": [Q15, Q05, SMOL], "config": V5, "weights": V4_WEIGHTS},
     # goal 1's other half for v6: trio-v6 without SmolLM2
     "pair-v6": {"members": [Q15, Q05], "config": V5, "weights": V4_WEIGHTS},
+    # v7: trio-v6 with the opening (first segment) drafted by the trusted member alone, no vote
+    # (trio-v6 lost 8 change_case instructions against the 1.5B and gained 1; in 7 of the 8 a
+    # weaker member's generic opening had won round 1 over the 1.5B's compliant one)
+    "trio-v7": {"members": [Q15, Q05, SMOL], "config": {**V5, "trusted_opening_rounds": 1}, "weights": V4_WEIGHTS},
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""

@@ -26,6 +26,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "model_exit": False,
     "token_healing": False,
     "self_vote": "keep",
+    "trusted_opening_rounds": 0,
 }
 
 
@@ -110,6 +111,13 @@ class SpecEMConfig:
     keeps (the trusted one, ``exit_keep_trusted``; else the leader by votes) in this many
     consecutive rounds: while it agrees it changes no decision, and each of its drafts still costs
     a decode (README "Quality" v5 measures what it saves and what it costs). 0 (default): off."""
+    trusted_opening_rounds: int = 0
+    """The first this many rounds are drafted by the trusted member alone (the drafter
+    ``exit_keep_trusted`` names: the highest prior in the member weights, then the larger model),
+    and its draft is committed without a vote. The opening sets an answer's format (case, layout),
+    and there a likelihood vote can prefer a weaker member's generic opening to the trusted
+    member's compliant one (README "Quality" v7 measures it). No effect without member weights or
+    when a tie in the prior names no single member. 0 (default): off."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True
@@ -147,6 +155,7 @@ class SpecEMConfig:
         _int_at_least("top_k", self.top_k, 0)
         _int_at_least("exit_min_rounds", self.exit_min_rounds, 1)
         _int_at_least("exit_agreement_rounds", self.exit_agreement_rounds, 0)
+        _int_at_least("trusted_opening_rounds", self.trusted_opening_rounds, 0)
         _int_at_least("member_retries", self.member_retries, 0)
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):

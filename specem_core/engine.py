@@ -395,6 +395,8 @@ class _Run:
         self.excluded: list[Exclusion] = []
         self.usage = [MemberUsage(member=m.name) for m in self.members]
         self.exited: set[int] = set()
+        self.opening_drafter: int | None = None
+        """The trusted member that drafts the first rounds alone (``trusted_opening_rounds``)."""
         self.text = ""
         self.segments: list[Segment] = []
         self.pool = _Pool(self.members, config.parallel)
@@ -471,13 +473,15 @@ class _Run:
                 choice = self._vote_choice(self.prefill_choices)
                 self.text += choice
                 self._commit(choice, 0, final=False)
+            trusted = self._trusted_drafter(weights)
+            self.opening_drafter = trusted if cfg.trusted_opening_rounds else None
             exit_rule = (
                 ModelExit(
                     cfg.exit_temperature,
                     cfg.exit_entropy_ratio,
                     cfg.exit_min_prob,
                     cfg.exit_min_rounds,
-                    keep=self._trusted_drafter(weights) if cfg.exit_keep_trusted else None,
+                    keep=trusted if cfg.exit_keep_trusted else None,
                     agreement_rounds=cfg.exit_agreement_rounds,
                 )
                 if cfg.model_exit
@@ -632,6 +636,9 @@ class _Run:
         if not drafting:  # every remaining drafter exited: bring them back rather than stall
             self.exited.clear()
             drafting = [i for i in self._active() if self.members[i].can_draft]
+        opening = k <= cfg.trusted_opening_rounds and self.opening_drafter in drafting
+        if opening:  # the trusted member writes the opening alone (SpecEMConfig.trusted_opening_rounds)
+            drafting = [i for i in drafting if i == self.opening_drafter]
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
         for i, d in drafts.items():
@@ -707,7 +714,7 @@ class _Run:
             row_weights = [weights.get(i, 0.0) for i in verifiers] if verifiers else []
             combined = [1.0] + [0.0] * (len(candidates) - 1)
             winner = 0
-        if exit_rule is not None:
+        if exit_rule is not None and not opening:  # an unvoted opening is no evidence for exit
             per_member = {owners[n]: combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
             for i in exit_rule.update(k, drafting, per_member, texts):

@@ -18,6 +18,7 @@ from specem_core import ConfigError, SpecEMConfig
         ("max_new_tokens", -1),
         ("exit_agreement_rounds", -1),
         ("exit_agreement_rounds", 1.5),
+        ("trusted_opening_rounds", -1),
         ("temperature", -0.1),
         ("temperature", float("nan")),
         ("top_p", 0.0),

@@ -175,6 +175,39 @@ def test_model_exit_stops_a_drafter_that_keeps_agreeing_with_the_trusted_one(agr
         assert all("b" in d for d in drafters)
 
 
+@pytest.mark.parametrize(
+    ("prior", "costs", "opener"),
+    [
+        ({"a": 1.0, "b": 5.0}, (0.0, 0.0), "b"),  # the prior names b
+        ({"a": 1.0, "b": 1.0}, (0.0, 2.0), "b"),  # priors tie: the larger model
+        ({"a": 1.0, "b": 1.0}, (0.0, 0.0), None),  # a tie remains: nobody is trusted, everybody drafts
+        (None, (0.0, 0.0), None),  # no member weights: no effect
+    ],
+)
+def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
+    prior: dict[str, float] | None, costs: tuple[float, float], opener: str | None
+) -> None:
+    prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
+    a, b = (
+        ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a, draft_cost=c)
+        for n, c in zip("ab", costs, strict=True)
+    )
+    weights = MemberWeights(prior, learning_rate=0.0) if prior is not None else None
+    cfg = SpecEMConfig(trusted_opening_rounds=2, max_new_tokens=8, model_exit=True, exit_min_rounds=1)
+    result = SpecEM([a, b], cfg, weights=weights).generate("q")
+    segments = result.segments
+    if opener is None:
+        assert all(seg.drafters == ["a", "b"] for seg in segments[:3])
+        assert segments[0].winner == "a"  # the vote, as without the option
+        return
+    assert [seg.drafters for seg in segments[:2]] == [[opener], [opener]]
+    assert [(seg.winner, seg.verifiers, seg.raw_scores) for seg in segments[:2]] == [(opener, [], [])] * 2
+    assert segments[2].drafters == ["a", "b"]  # then the ensemble as usual: the vote picks a
+    assert segments[2].winner == "a"
+    assert result.text.startswith("b b a ")
+    assert SpecEMConfig(trusted_opening_rounds=3, faithful=True).trusted_opening_rounds == 0
+
+
 def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:
     good = ScriptedMember("good", drafts=[("fine", True)])
     bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})
