@@ -641,6 +641,11 @@ class _Run:
             drafting = [i for i in drafting if i == self.opening_drafter]
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
+        if opening and not drafts:  # the trusted member failed and was excluded: the others draft
+            opening = False
+            drafting = [i for i in self._active() if self.members[i].can_draft and i not in self.exited]
+            drafts = self._draft(drafting, max_tokens, k)
+            self._require_drafter()
         for i, d in drafts.items():
             self.usage[i].drafted_tokens += d.tokens
             self.usage[i].reused_tokens += d.reused

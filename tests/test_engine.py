@@ -208,6 +208,16 @@ def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
     assert SpecEMConfig(trusted_opening_rounds=3, faithful=True).trusted_opening_rounds == 0
 
 
+def test_a_failing_trusted_opener_is_excluded_and_the_others_write_the_answer() -> None:
+    a = ScriptedMember("a", drafts=[("a ", False), ("done", True)])
+    b = ScriptedMember("b", drafts=[("b ", False)], fail_on={"draft"})
+    cfg = SpecEMConfig(trusted_opening_rounds=1, max_new_tokens=8)
+    result = SpecEM([a, b], cfg, weights=MemberWeights({"a": 1.0, "b": 5.0})).generate("q")
+    assert [(e.member, e.stage) for e in result.excluded] == [("b", "draft")]
+    assert result.text == "a done"
+    assert result.segments[0].drafters == ["a"]
+
+
 def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:
     good = ScriptedMember("good", drafts=[("fine", True)])
     bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})
