@@ -130,6 +130,7 @@ def _calibrate_parser(sub: Any) -> None:
     cal.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     cal.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
     _set_argument(cal)
+    cal.set_defaults(verifier=[])  # every member answers alone: no verify-only members here
 
 
 def _serve_parser(sub: Any) -> None:
@@ -526,7 +527,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     examples = load_examples(args.data, prompt_template=template, answer_field=args.answer_field, limit=args.limit)
     if not examples:
         raise SpecEMError(f"{args.data} holds no examples")
-    members = _load_members(argparse.Namespace(**{**vars(args), "verifier": []}), err, api_key_env=args.api_key_env)
+    members = _load_members(args, err, api_key_env=args.api_key_env)
 
     def progress(member: str, done: int, total: int) -> None:
         if done == total or done % 10 == 0:

@@ -632,18 +632,18 @@ class _Run:
         exit_rule: ModelExit | None,
     ) -> tuple[Segment, dict[int, float], bool] | None:
         cfg = self.config
-        drafting = [i for i in self._active() if self.members[i].can_draft and i not in self.exited]
-        if not drafting:  # every remaining drafter exited: bring them back rather than stall
+        available = [i for i in self._active() if self.members[i].can_draft and i not in self.exited]
+        if not available:  # every remaining drafter exited: bring them back rather than stall
             self.exited.clear()
-            drafting = [i for i in self._active() if self.members[i].can_draft]
-        opening = k <= cfg.trusted_opening_rounds and self.opening_drafter in drafting
-        if opening:  # the trusted member writes the opening alone (SpecEMConfig.trusted_opening_rounds)
-            drafting = [i for i in drafting if i == self.opening_drafter]
+            available = [i for i in self._active() if self.members[i].can_draft]
+        # the trusted member writes the opening alone (SpecEMConfig.trusted_opening_rounds)
+        opening = k <= cfg.trusted_opening_rounds and self.opening_drafter in available
+        drafting = [i for i in available if i == self.opening_drafter] if opening else available
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
         if opening and not drafts:  # the trusted member failed and was excluded: the others draft
             opening = False
-            drafting = [i for i in self._active() if self.members[i].can_draft and i not in self.exited]
+            drafting = [i for i in available if i in self.sessions]
             drafts = self._draft(drafting, max_tokens, k)
             self._require_drafter()
         for i, d in drafts.items():
