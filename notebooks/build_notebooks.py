@@ -209,7 +209,7 @@ BENCHMARKS = [
         "states = sorted((root / 'benchmarks' / 'results' / 'quality').glob('*/*.weights.json'))\n"
         "if states:\n"
         "    cols = min(6, len(states)); rows = -(-len(states) // cols)  # a grid keeps the notebook small\n"
-        "    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.0 * rows), squeeze=False)\n"
+        "    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 1.6 * rows), dpi=50, squeeze=False)\n"
         "    for ax, path in zip(axes.flat, states):\n"
         "        state = MemberWeights.load(path)\n"
         "        for name in sorted(state.current()):\n"
