@@ -4,6 +4,7 @@
     python benchmarks/quality.py run arc --configs all --limit 200
     python benchmarks/quality.py report          # Markdown tables (+ plot when matplotlib is there)
     python benchmarks/quality.py analyze --against qwen   # per-prompt gains/losses, ties, vote margins
+    python benchmarks/quality.py prior-replay arc trio-v6 --against 1.5b   # round 1 again under a fixed prior
 
 Configurations run on different numbers of prompts are compared on the prompts they share (the
 first n of each data set, in its order); complete runs also get a full-set table.
@@ -112,6 +113,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (trio-v6 lost 8 change_case instructions against the 1.5B and gained 1; in 7 of the 8 a
     # weaker member's generic opening had won round 1 over the 1.5B's compliant one)
     "trio-v7": {"members": [Q15, Q05, SMOL], "config": {**V5, "trusted_opening_rounds": 1}, "weights": V4_WEIGHTS},
+    # trio-v7 with the prior kept fixed (learning_rate 0): does learning from votes help? (on ARC
+    # it hurt trio-v6, whose weights drifted to SmolLM2; on IFEval trio-v7's moved to the 1.5B)
+    "trio-v7-fixed": {
+        "members": [Q15, Q05, SMOL],
+        "config": {**V5, "trusted_opening_rounds": 1},
+        "weights": {**V4_WEIGHTS, "learning_rate": 0.0},
+    },
+    # goal 1's other half for v7 (the recommended configuration): trio-v7 without SmolLM2
+    "pair-v7": {"members": [Q15, Q05], "config": {**V5, "trusted_opening_rounds": 1}, "weights": V4_WEIGHTS},
 }
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning)."""
@@ -755,6 +765,96 @@ def drafting(task: str, name: str, against: str) -> str:
     return "\n".join(lines)
 
 
+def prior_replay(task: str, name: str, against: str) -> str:
+    """Round 1 of a cross-fitted configuration's multiple-choice records decided again, offline,
+    under fixed weights (no learning across requests): the prior as served (``1 + score in %``)
+    and a prior corrected for chance (``1 + 100 · max(0, (score − chance) / (100 − chance))``,
+    chance = 100 / options, averaged over the calibrating half), both behind the configuration's
+    ``min_share`` gate. The members' raw scores of the round-1 candidates are in the records, so a
+    gated member's candidate and row simply drop out. A new winner's answer is known when its
+    segment finished or names an option; otherwise later rounds would decide it (counted apart).
+    Writes ``<task>/<name>.prior_replay.json`` (per question) and returns a Markdown table."""
+    if task != "arc":
+        raise SystemExit("prior-replay needs a multiple-choice task (arc): chance is 100 / options")
+    spec = CONFIGS[name]
+    if not crossfitted(name) or spec["config"].get("normalization") != "softmax":
+        raise SystemExit(f"prior-replay needs a cross-fitted configuration with softmax rows, not {name!r}")
+    from specem_core.scoring import softmax
+    from specem_core.weights import MemberWeights
+
+    temperature = float(spec["config"].get("softmax_temperature", 1.0))
+    min_share = float(spec["weights"].get("min_share", 0.0))
+    rows = {row["id"]: row for row in load_rows(task, None)}
+    recs = {str(r["key"]): r for r in records(task, name)}
+    theirs = passes(task, records(task, against))
+
+    def correct(key: str, text: str) -> bool:
+        return arc_letter(text, rows[key]["choices"]["label"]) == rows[key]["answerKey"]
+
+    out: dict[str, Any] = {"task": task, "configuration": name, "against": against, "modes": {}}
+    lines = [
+        f"Round 1 of `{name}` on {task} decided again under fixed weights (no learning), against `{against}`",
+        "",
+        "| prior | shares (fold 0 / fold 1) | same winner | new winner, answer known | new winner, "
+        "answer unknown | accuracy (unknown counted wrong) | as recorded | gained / lost vs "
+        f"`{against}` (known) | of the losses, the top-prior member preferred the winner itself |",
+        "|" + "---|" * 9,
+    ]
+    recorded = 100 * sum(correct(k, r["response"]) for k, r in recs.items()) / max(len(recs), 1)
+    for mode in ("served", "chance-corrected"):
+        per_question: list[dict[str, Any]] = []
+        shares_text = []
+        for fold, keys in enumerate(fold_keys(task)):
+            prior = dict(MemberWeights.load(state_path(task, name, fold)).prior)
+            if mode == "chance-corrected":
+                other = fold_keys(task)[1 - fold]
+                chance = 100 * sum(1 / len(rows[k]["choices"]["label"]) for k in other) / len(other)
+                prior = {m: 1 + 100 * max(0.0, (p - 1 - chance) / (100 - chance)) for m, p in prior.items()}
+            total = sum(prior.values())
+            kept = {m for m, p in prior.items() if p / total >= min_share}
+            top = max(prior, key=lambda m: prior[m])
+            weight = {m: prior[m] / sum(prior[k] for k in kept) for m in kept}
+            shares_text.append(", ".join(f"{_short(m)} {p / total:.2f}" for m, p in prior.items()))
+            for key in sorted(keys & recs.keys()):
+                trace = recs[key]["trace"][0]
+                cands = [(i, m, text, done) for i, (m, text, done) in enumerate(trace["candidates"]) if m in kept]
+                combined = [0.0] * len(cands)
+                rows_of = {v: [trace["raw"][j][i] for i, *_ in cands] for j, v in enumerate(trace["verifiers"])}
+                for verifier, raw in rows_of.items():
+                    if verifier in kept:
+                        for c, share in enumerate(softmax(raw, temperature)):
+                            combined[c] += weight[verifier] * share
+                best = max(range(len(cands)), key=lambda c: combined[c])
+                _, winner, text, done = cands[best]
+                old = next(t for m, t, _ in trace["candidates"] if m == trace["winner"])
+                entry: dict[str, Any] = {"key": key, "fold": fold, "winner": winner, "segment": text}
+                if text == old:
+                    entry.update(outcome="same", correct=correct(key, recs[key]["response"]))
+                elif done or arc_letter(text, rows[key]["choices"]["label"]):
+                    entry.update(outcome="known", correct=correct(key, text))
+                else:
+                    entry.update(outcome="unknown", correct=None)
+                if top in rows_of and winner != top and top in [m for _, m, _, _ in cands]:
+                    own = rows_of[top]
+                    at_top = next(c for c, (_, m, _, _) in enumerate(cands) if m == top)
+                    entry["top_preferred_winner"] = own[best] > own[at_top]
+                per_question.append(entry)
+        known = [e for e in per_question if e["correct"] is not None]
+        gained = sum(e["correct"] and not theirs[e["key"]] for e in known)
+        lost = [e for e in known if not e["correct"] and theirs[e["key"]]]
+        own_pref = sum(bool(e.get("top_preferred_winner")) for e in lost)
+        count = {o: sum(e["outcome"] == o for e in per_question) for o in ("same", "known", "unknown")}
+        accuracy = 100 * sum(bool(e["correct"]) for e in per_question) / max(len(per_question), 1)
+        out["modes"][mode] = {"shares": shares_text, "counts": count, "accuracy_unknown_wrong": accuracy,
+                              "gained": gained, "lost": len(lost), "questions": per_question}  # fmt: skip
+        lines.append(
+            f"| {mode} | {' / '.join(shares_text)} | {count['same']} | {count['known']} | {count['unknown']} "
+            f"| {accuracy:.1f} | {recorded:.1f} | {gained} / {len(lost)} | {own_pref} of {len(lost)} |"
+        )
+    (RESULTS / task / f"{name}.prior_replay.json").write_text(json.dumps(out, indent=1) + "\n")
+    return "\n".join(lines)
+
+
 def calibration_size(task: str, sizes: Sequence[int], draws: int = 10_000, seed: int = 0) -> str:
     """How many labelled examples a prior needs: draw calibration sets of each size from the
     members' recorded answers alone (all of the task), and count how often the prior trusts the
@@ -843,6 +943,10 @@ def main() -> None:
     c.add_argument("config", nargs="+", choices=sorted(CONFIGS), help="several: measured side by side in one run")
     c.add_argument("--against", required=True, choices=sorted(CONFIGS))
     c.add_argument("--limit", type=int, default=10)
+    p = sub.add_parser("prior-replay", help="round 1 decided again under a fixed (served or chance-corrected) prior")
+    p.add_argument("task", choices=["arc"])
+    p.add_argument("config", choices=sorted(CONFIGS))
+    p.add_argument("--against", required=True, choices=sorted(CONFIGS))
     s = sub.add_parser("calibration-size", help="how many labelled examples a prior needs (from members-alone runs)")
     s.add_argument("task", choices=["gsm8k", "ifeval"])
     s.add_argument("--sizes", nargs="+", type=int, default=[10, 20, 50, 100])
@@ -853,6 +957,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "calibration-check":
         print(calibration_check(args.task, args.records))
+    elif args.command == "prior-replay":
+        print(prior_replay(args.task, args.config, args.against))
     elif args.command == "calibration-size":
         print(calibration_size(args.task, args.sizes, args.draws))
     elif args.command == "run":

@@ -272,3 +272,55 @@ def test_calibration_size_counts_how_often_a_small_set_trusts_the_best_member(qu
         "0.5b: 0 of 0 replies identical to gsm8k/0.5b.jsonl",
         "smol: 0 of 0 replies identical to gsm8k/smol.jsonl",
     ]
+
+
+def test_prior_replay_decides_round_one_again_under_a_fixed_prior(quality: Any) -> None:
+    from specem_core.weights import MemberWeights
+
+    rows = quality.load_rows("arc", None)
+    keys = [r["id"] for r in rows]  # answers A, C, A; folds: {first} and {second, third}
+    (quality.RESULTS / "arc").mkdir(parents=True)
+    for fold in (0, 1):  # scores 50, 25 (chance on four options) and 26, as 1 + score in %
+        prior = {"big": 51.0, "small": 26.0, "tiny": 27.0}
+        MemberWeights(prior, min_share=0.1).save(quality.state_path("arc", "trio-v6", fold))
+
+    def answer(key: str, cands: list[tuple[str, str, bool]], raw: list[list[float]], winner: str) -> dict[str, Any]:
+        response = next(text for member, text, _ in cands if member == winner)
+        trace = {"winner": winner, "candidates": cands, "verifiers": ["big", "small", "tiny"], "raw": raw}
+        return {"key": key, "response": response, "seconds": 1.0, "finish_reason": "stop", "trace": [trace]}
+
+    recs = [
+        # the two weak members' peaked rows outvote the big member's flat one for a wrong option
+        answer(keys[0], [("big", "A", True), ("small", "B", True), ("tiny", "C. television", True)],
+               [[1, 0, 0.9], [0, 0, 20], [0, 0, 20]], "tiny"),
+        answer(keys[1], [("big", "C", True), ("small", "A", True), ("tiny", "D", True)],
+               [[5, 0, 0], [5, 0, 0], [5, 0, 0]], "big"),
+        # the big member's unfinished opening names no option; the small member's right one wins
+        answer(keys[2], [("big", "The correct", False), ("small", "A", True), ("tiny", "D", True)],
+               [[0, 1, 0], [0, 20, 0], [0, 0, 5]], "small"),
+    ]  # fmt: skip
+    (quality.RESULTS / "arc" / "trio-v6.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    alone = [{"key": k, "response": reply, "seconds": 1.0} for k, reply in zip(keys, ["A", "C", "B"], strict=True)]
+    (quality.RESULTS / "arc" / "1.5b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alone))
+
+    table = quality.prior_replay("arc", "trio-v6", "1.5b")
+    data = json.loads((quality.RESULTS / "arc" / "trio-v6.prior_replay.json").read_text())
+    served, corrected = data["modes"]["served"], data["modes"]["chance-corrected"]
+    # as served (shares 0.49 / 0.25 / 0.26) the vote comes out as recorded: one lost, one gained
+    assert served["counts"] == {"same": 3, "known": 0, "unknown": 0}
+    assert (served["gained"], served["lost"]) == (1, 1)
+    assert served["accuracy_unknown_wrong"] == pytest.approx(200 / 3)
+    # corrected for chance (1 + 33.3 : 1 : 1 + 1.3) both weak members fall below min_share: the big
+    # member's "A" now answers the first question, and its open "The correct" leaves the third unknown
+    assert corrected["counts"] == {"same": 1, "known": 1, "unknown": 1}
+    assert {q["key"]: (q["outcome"], q["correct"]) for q in corrected["questions"]} == {
+        keys[0]: ("known", True), keys[1]: ("same", True), keys[2]: ("unknown", None),
+    }  # fmt: skip
+    assert (corrected["gained"], corrected["lost"]) == (0, 0)
+    assert "| served | big 0.49, small 0.25, tiny 0.26 / big 0.49, small 0.25, tiny 0.26 | 3 | 0 | 0 | 66.7 |" in table
+    assert "| chance-corrected | big 0.91, small 0.03, tiny 0.06" in table
+
+    with pytest.raises(SystemExit, match="multiple-choice"):
+        quality.prior_replay("gsm8k", "trio-v6", "1.5b")
+    with pytest.raises(SystemExit, match="cross-fitted"):
+        quality.prior_replay("arc", "trio-paper", "1.5b")
