@@ -25,10 +25,12 @@ from specem_core.backends._drafts import common_prefix  # noqa: E402
 from specem_core.backends.llama_cpp import (  # noqa: E402
     LlamaCppMember,
     LlamaCppModel,
+    batch_noise,
     evaluate_from_scratch,
     requantize,
 )
 from specem_core.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
+from specem_core.scoring import argmax_first, combine, normalize_row  # noqa: E402
 
 REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])
 PACKAGED = {"llama": "smollm2", "qwen2": "qwen2.5-coder", "gemma3": "gemma3"}
@@ -59,26 +61,6 @@ def _split_noise(model: LlamaCppModel, ids: list[int], tail: int = 4) -> float:
         ctx.decode(_Work(ids[:head], list(range(head)), [0] * head, [None] * head))
         rows = ctx.decode(_Work(ids[head:], list(range(head, len(ids))), [0] * tail, [-1] * tail)).rows
         return max(float(abs(rows[i] - whole[head + i]).max()) for i in range(tail))
-    finally:
-        model.release_context(ctx)
-
-
-def _batch_noise(model: LlamaCppModel, ids: list[int]) -> float:
-    """How far llama.cpp's own logits move when the same tokens are decoded one per call instead
-    of in one batch (its kernels are not batch-invariant for every quantization type: 0.0 for
-    SmolLM2's Q4_1 under 64 tokens, ~0.5 for Qwen2.5's Q4_K/Q5_0/Q6_K rows, several units for Gemma 3).
-    A cached session mixes both schedules, so it cannot be closer to one from-scratch evaluation
-    than two from-scratch evaluations are to each other."""
-    from specem_core.backends.llama_cpp import _Work
-
-    batched = evaluate_from_scratch(model, ids, lambda i: True)
-    ctx = model.acquire_context()
-    try:
-        worst = 0.0
-        for i, token in enumerate(ids):
-            row = ctx.decode(_Work([token], [i], [0], [-1])).rows[0]
-            worst = max(worst, float(abs(row - batched[i]).max()))
-        return worst
     finally:
         model.release_context(ctx)
 
@@ -177,13 +159,38 @@ def test_cached_scores_equal_a_from_scratch_evaluation(
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]
     next_error = float(abs(session._next_logits - fresh).max())
     session.close()
-    noise = _batch_noise(m.model, ids)
+    noise = batch_noise(m.model, ids)
     if kind in EXACT:
         assert noise == 0.0  # batch-invariant here: the check is exact
         assert worst <= TOL, worst
         assert next_error <= TOL, next_error
     assert worst <= max(TOL, noise), (worst, noise)
     assert next_error <= max(TOL, noise), (next_error, noise)
+
+
+def _assert_greedy_draft(
+    m: LlamaCppMember, kind: str, prompt: list[int], response: str, text: str, ended: bool, n: int
+) -> None:
+    """The draft is the naive (from-scratch) greedy one. Exactly on batch-invariant kinds; on the
+    others (Qwen2's and Gemma 3's packaged types) a draft decoded a token per call may take the other
+    side of a near tie, so every drafted token must be the from-scratch argmax or within llama.cpp's
+    batch noise of it (whether a tie flips depends on the build's kernels: AVX2 or AVX512)."""
+    want = naive_draft(m, prompt, response, n)
+    if kind in EXACT or (text, ended) == want:
+        assert (text, ended) == want
+        return
+    base = prompt + m.encode_response(response)
+    drafted = m.encode_response(response + text)[len(base) - len(prompt) :]
+    assert drafted, (text, want)
+    for i in range(len(drafted) + ended):
+        ids = base + drafted[:i]
+        last = len(ids) - 1
+        logits = evaluate_from_scratch(m.model, ids, last.__eq__)[last]
+        if m.suppress_ids:
+            logits[m.suppress_ids] = -float("inf")
+        picked = float(logits[drafted[i]]) if i < len(drafted) else max(float(logits[t]) for t in m.stop_ids)
+        gap = float(logits.max()) - picked
+        assert gap <= batch_noise(m.model, ids), (i, gap, text, want)
 
 
 @pytest.mark.parametrize("kind", [*KINDS, *REQUANTIZED])
@@ -193,7 +200,7 @@ def test_draft_equals_naive_greedy(models: dict[str, LlamaCppModel], kind: str) 
     prompt = m.encode_prompt(REQ)
     for _ in range(3):
         d = session.draft(6, SamplingParams())
-        assert (d.text, d.ended) == naive_draft(m, prompt, session._text, 6)
+        _assert_greedy_draft(m, kind, prompt, session._text, d.text, d.ended, 6)
         if d.ended or not d.text:
             break
         session.score([Candidate("self", d.text, d.ended), Candidate("o", " ok", False)], score_eos=True)
@@ -244,23 +251,55 @@ def _pair(models: dict[str, LlamaCppModel]) -> list[LlamaCppMember]:
 
 
 @pytest.mark.parametrize("hedge", [True, False])
-def test_faithful_engine_makes_the_naive_loops_decisions(models: dict[str, LlamaCppModel], hedge: bool) -> None:
-    members = _pair(models)
+@pytest.mark.parametrize("qwen", ["qwen2-q4_1", "qwen2"])
+def test_faithful_engine_makes_the_naive_loops_decisions(
+    models: dict[str, LlamaCppModel], hedge: bool, qwen: str
+) -> None:
+    """With batch-invariant weights (SmolLM2's Q4_1 and Qwen2.5 requantized to Q4_1, under 64
+    positions) every decision is the naive loop's, exactly. With Qwen2.5's packaged types a logit
+    read from a batch differs from a one-token step by llama.cpp's batch noise, so the two loops
+    agree round for round until a draft takes the other side of a near tie (which round, if any,
+    depends on the build's kernels: AVX2 or AVX512)."""
+    members = [*_pair(models)[:1], LlamaCppMember(models[qwen], name="qwen")]
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-    engine = SpecEM(members, SpecEMConfig(faithful=True, segment_len=6, max_new_tokens=30, hedge=hedge))
+    budget = 18 if qwen in EXACT else 30  # under 64 positions with the prompt, where Q4_1 is invariant
+    engine = SpecEM(members, SpecEMConfig(faithful=True, segment_len=6, max_new_tokens=budget, hedge=hedge))
     got = engine.generate(msgs)
     assert len(got.segments) >= 3
-    want = naive_generate(members, msgs, segment_len=6, max_new_tokens=30, hedge=hedge)
-    assert got.text == want.text
-    assert [s.winner_index for s in got.segments] == [r.winner for r in want.rounds]
-    # every decision is the same; scores move at most by llama.cpp's batch noise (see _batch_noise:
-    # the naive loop reads whole prefixes in one call, the engine drafts one token per call)
+    want = naive_generate(members, msgs, segment_len=6, max_new_tokens=budget, hedge=hedge)
     request = SessionRequest(msgs)
-    noise = max(_batch_noise(m.model, m.encode_prompt(request) + m.encode_response(got.text)) for m in members)
+    prompts = [m.encode_prompt(request) for m in members]
+    if qwen in EXACT:
+        assert max(len(p) + len(m.encode_response(got.text)) for p, m in zip(prompts, members, strict=True)) < (
+            INVARIANT_BELOW
+        )
+        assert got.text == want.text
+        assert [s.winner_index for s in got.segments] == [r.winner for r in want.rounds]
+    # every decision is the same up to the first round whose candidates differ; scores move at most
+    # by llama.cpp's batch noise (see batch_noise: the naive loop reads whole prefixes in one call,
+    # the engine drafts one token per call)
+    noise = max(batch_noise(m.model, p + m.encode_response(got.text)) for p, m in zip(prompts, members, strict=True))
+    if qwen in EXACT:
+        assert noise == 0.0
+    committed = ""
     for seg, rnd in zip(got.segments, want.rounds, strict=True):
-        assert [(c.text, c.ended) for c in seg.candidates] == rnd.candidates
+        cands = [(c.text, c.ended) for c in seg.candidates]
+        if cands != rnd.candidates:
+            assert qwen not in EXACT
+            for m, p, (text, ended) in zip(members, prompts, cands, strict=True):  # each draft is greedy
+                _assert_greedy_draft(m, "qwen2", p, committed, text, ended, 6)
+            break
         for row, ref in zip(seg.raw_scores, rnd.raw, strict=True):
             assert row == pytest.approx(ref, abs=max(TOL, noise))
+        if seg.winner_index != rnd.winner:  # a vote as close as the scores' batch noise
+            assert qwen not in EXACT
+            ours = combine(seg.normalized, seg.weights)
+            theirs = combine([normalize_row(r, "sum") for r in rnd.raw], seg.weights)
+            assert seg.winner_index == argmax_first(ours)
+            shift = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+            assert theirs[rnd.winner] - theirs[seg.winner_index] <= 2 * shift, (ours, theirs)
+            break
+        committed += seg.text
 
 
 def test_engine_features_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
@@ -310,12 +349,15 @@ def test_token_healing_redraws_the_last_committed_token(models: dict[str, LlamaC
     assert (tail + healed.text).startswith(m.token_text(best))
     assert session._length == len(ids)
     fresh = evaluate_from_scratch(m.model, ids, lambda i: i == len(ids) - 1)[len(ids) - 1]
-    assert float(abs(session._next_logits - fresh).max()) <= TOL
+    error = float(abs(session._next_logits - fresh).max())
+    plain = None
     if healed.text and not healed.ended:
         session.commit(healed.text)
         plain = session.draft(5, SamplingParams())
-        assert (plain.text, plain.ended) == naive_draft(m, prompt, session._text, 5)
-    session.close()
+    session.close()  # before the checks: a failure must not leave the shared model's context taken
+    assert error <= (TOL if kind in EXACT else max(TOL, batch_noise(m.model, ids))), error
+    if plain is not None:
+        _assert_greedy_draft(m, kind, prompt, committed + healed.text, plain.text, plain.ended, 5)
 
 
 def test_concurrent_requests_run_at_once_in_private_contexts(models: dict[str, LlamaCppModel]) -> None:
@@ -503,7 +545,7 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
         assert (after.text, after.ended) == naive_draft(m, prompt, follower._text, 3)
     leader.close()
     follower.close()
-    noise = max(_batch_noise(m.model, ids), _split_noise(m.model, ids))
+    noise = max(batch_noise(m.model, ids), _split_noise(m.model, ids))
     if kind in EXACT:
         assert worst <= TOL, worst  # batch-invariant under 64 positions: the checks are exact
         if len(ids) < INVARIANT_BELOW:

@@ -1141,6 +1141,24 @@ def evaluate_from_scratch(model: LlamaCppModel, ids: Sequence[int], positions: C
         model.release_context(ctx)
 
 
+def batch_noise(model: LlamaCppModel, ids: Sequence[int]) -> float:
+    """How far ``model``'s logits move when ``ids`` are decoded one token per call instead of in one
+    batch (max |diff| over every position's raw logits). llama.cpp's kernels are batch-invariant
+    for some quantization types only: 0.0 for Q4_1 below 64 positions, about 0.3-0.5 for Qwen2.5's
+    Q4_K/Q5_0/Q6_K rows, several units for Gemma 3. A cached session mixes both schedules, so it
+    cannot be closer to one from-scratch evaluation than this."""
+    batched = evaluate_from_scratch(model, ids, lambda i: True)
+    ctx = model.acquire_context()
+    try:
+        worst = 0.0
+        for i, token in enumerate(ids):
+            row = ctx.decode(_Work([token], [i], [0], [-1])).rows[0]
+            worst = max(worst, float(abs(row - batched[i]).max()))
+        return worst
+    finally:
+        model.release_context(ctx)
+
+
 def generate_greedy(
     model: LlamaCppModel, ids: Sequence[int], max_tokens: int, *, banned: Sequence[int] = ()
 ) -> list[int]:
