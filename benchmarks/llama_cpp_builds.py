@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -57,24 +56,8 @@ def child(models: list[str], tokens: int) -> dict[str, Any]:
         packaged = find_packaged(name)
         assert packaged is not None, name
         probe = Probe(packaged_gguf(packaged), default_threads())
-        lib = probe.lib
-        ctx = probe.context(lib.LLAMA_FLASH_ATTN_TYPE_AUTO)
-        mem = lib.llama_get_memory(ctx)
-        probe.decode(ctx, probe.ids, 0, logits=False)
-        n = len(probe.ids)
-        costs = {}
-        for size in (1, 8, 30):
-            block = (probe.ids * 2)[:size]
-            probe.decode(ctx, block, n)  # warm
-            lib.llama_memory_seq_rm(mem, 0, n, -1)
-            start = time.perf_counter()
-            for _ in range(10):
-                probe.decode(ctx, block, n)
-                lib.llama_memory_seq_rm(mem, 0, n, -1)
-            costs[f"ms_{size}"] = 100 * (time.perf_counter() - start)
-        lib.llama_free(ctx)
+        out["kernels"][name] = probe.call_costs(probe.lib.LLAMA_FLASH_ATTN_TYPE_AUTO, repeats=10)
         probe.close()
-        out["kernels"][name] = costs
 
     messages = [{"role": "user", "content": PROMPT}]
     loaded = {name: load_member(f"llamacpp:{name}") for name in dict.fromkeys([*PAIR, *TRIO])}

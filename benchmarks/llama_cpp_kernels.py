@@ -116,6 +116,16 @@ class Probe:
         lib.llama_free(ctx)
         out["lower_cell_vs_in_order"] = float(np.abs(lower - in_order).max())
 
+        out.update(self.call_costs(flash, repeats))
+        out["batch8_speedup"] = 8 * out["ms_1"] / out["ms_8"]
+        out["batch30_speedup"] = 30 * out["ms_1"] / out["ms_30"]
+        return out
+
+    def call_costs(self, flash: int, repeats: int) -> dict[str, float]:
+        """Milliseconds of one decode call of 1, 8 and 30 tokens on a cached prefix (``ms_1`` …)."""
+        lib, a = self.lib, self.ids
+        n = len(a)
+        out: dict[str, float] = {}
         ctx = self.context(flash)
         mem = lib.llama_get_memory(ctx)
         self.decode(ctx, a, 0, logits=False)
@@ -129,8 +139,6 @@ class Probe:
                 lib.llama_memory_seq_rm(mem, 0, n, -1)
             out[f"ms_{size}"] = 1000 * (time.perf_counter() - t) / repeats
         lib.llama_free(ctx)
-        out["batch8_speedup"] = 8 * out["ms_1"] / out["ms_8"]
-        out["batch30_speedup"] = 30 * out["ms_1"] / out["ms_30"]
         return out
 
     def close(self) -> None:

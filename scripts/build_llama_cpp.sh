@@ -117,15 +117,21 @@ else
 fi
 
 if [ "${BUILD_ONLY:-0}" != "1" ]; then
+    # the level of the build installed now ("none"; "unknown" for one this script did not mark)
+    INSTALLED=$("$PY" -c 'import importlib.util as u, pathlib as p; s = u.find_spec("llama_cpp")
+m = p.Path(s.origin).parent / "SPECEM_BUILD_LEVEL" if s and s.origin else None
+print("none" if m is None else m.read_text().strip() if m.exists() else "unknown")')
     # the package's dependencies (numpy, jinja2, diskcache, typing-extensions; with --server also
-    # fastapi / uvicorn / sse-starlette / starlette-context / pydantic-settings), then this level's
-    # build in place of whichever build of the same version is installed
+    # fastapi / uvicorn / sse-starlette / starlette-context / pydantic-settings); pip keeps an
+    # installed build of the same version, so another level's build is replaced explicitly
     if [ "$SERVER" = "1" ]; then
         "$PY" -m pip install -q "${WHEEL}[server]"
     else
         "$PY" -m pip install -q "$WHEEL"
     fi
-    "$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
+    if [ "$INSTALLED" != "none" ] && [ "$INSTALLED" != "$LEVEL" ]; then
+        "$PY" -m pip install -q --force-reinstall --no-deps "$WHEEL"
+    fi
     echo "$LEVEL" >"$("$PY" -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')/SPECEM_BUILD_LEVEL"
     if [ "$SERVER" = "1" ]; then
         "$PY" -c "import llama_cpp, llama_cpp.server; print('llama_cpp', llama_cpp.__version__, '($LEVEL build, with the server)')"
