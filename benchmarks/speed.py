@@ -2,6 +2,7 @@
 
     python benchmarks/speed.py                                   # llama.cpp and transformers, T = 128, 512
     python benchmarks/speed.py --backend llamacpp --tokens 64 128 --naive-tokens 64
+    python benchmarks/speed.py --repeats 3 --naive-tokens 0      # medians of 3 alternations
 
 Prints (a) ensemble time for T tokens / the sum of each member's plain greedy ``generate``
 time for the same T (target <= 1.15); (b) per-token cost at the largest vs the smallest T
@@ -10,7 +11,12 @@ cache reuse (the authors' way: ``model.generate`` over the whole prefix every ro
 uncached verification pass), for comparison. Both loops run greedy with ``ignore_eos`` so every
 run produces exactly T tokens of the first member (the naive loop may stop at EOS: its cost is
 compared per token). With several backends, (e) compares the committed tokens/s of the default
-pair on each backend with the first one, measured in the same run.
+pair on each backend with the first one, measured in the same run. (f) splits each answer's time
+by member and by call of the member protocol (``draft``, ``score``, ``commit``) next to that
+member's floor: what the ensemble spends beyond the floor, and where. With ``--repeats N`` the
+floor and the ensemble alternate N times and every figure is a median ((a) also shows its range):
+on a small VM a single pair of runs moves (a) by 0.1-0.2. (g), llama.cpp only: what one
+verification block costs in one-token decode steps on the member's kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 PROMPT = "Write a long, detailed essay about the history of the city of Rome, from its founding to today."
@@ -58,6 +65,104 @@ def plain_generate_seconds(member: Any, messages: list[dict[str, str]], tokens: 
     return elapsed
 
 
+def block_costs(member: Any, messages: list[dict[str, str]], block: int, repeats: int = 9) -> dict[str, float] | None:
+    """What verification costs a llama.cpp member's kernels: milliseconds of one decode step and of
+    one ``block``-token call on the cached prompt, with every position's logit row (as verification
+    reads them) and without (the body alone); medians of ``repeats``. None for other backends."""
+    if not hasattr(member.model, "n_ctx"):
+        return None
+    from specem_core.backends.base import SessionRequest
+    from specem_core.backends.llama_cpp import _Work
+
+    model = member.model
+    prompt = member.encode_prompt(SessionRequest(messages))
+    n = len(prompt)
+    ctx = model.acquire_context()
+    try:
+        ctx.decode(_Work(prompt, list(range(n)), [0] * n, [None] * (n - 1) + [-1]))
+        tokens = (prompt * (block // n + 1))[:block]
+
+        def ms(size: int, rows: bool) -> float:
+            times = []
+            for _ in range(repeats):
+                outputs: list[int | None] = [-1] * size if rows else [None] * size
+                start = time.perf_counter()
+                ctx.decode(_Work(tokens[:size], list(range(n, n + size)), [0] * size, outputs))
+                times.append(1000 * (time.perf_counter() - start))
+                ctx.truncate(0, n)
+            return median(times)
+
+        step, with_rows, without = ms(1, True), ms(block, True), ms(block, False)
+    finally:
+        model.release_context(ctx)
+    return {"block": block, "step_ms": step, "block_ms": with_rows, "block_no_rows_ms": without}
+
+
+class _TimedSession:
+    """A member session that adds the wall time of each protocol call to its member's totals."""
+
+    def __init__(self, session: Any, times: CallTimes, name: str) -> None:
+        self._session, self._times, self._name = session, times, name
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._session, name)
+        if name not in CallTimes.CALLS:
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._times.enter()
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._times.seconds[self._name][name] += time.perf_counter() - start
+                self._times.calls[self._name][name] += 1
+                self._times.leave()
+
+        return timed
+
+
+class CallTimes:
+    """Time spent in each member's ``draft`` / ``score`` / ``commit`` calls while it is armed
+    (the sessions are wrapped where the engine opens them; nothing else changes)."""
+
+    CALLS = ("draft", "score", "commit")
+
+    def __init__(self, members: list[Any]) -> None:
+        import threading
+
+        self.members = members
+        self._lock = threading.Lock()
+        self.reset()
+        for m in members:
+            opener = m.open
+
+            def open_timed(request: Any, _open: Any = opener, _name: str = m.name) -> Any:
+                return _TimedSession(_open(request), self, _name)
+
+            m.open = open_timed
+
+    def reset(self) -> None:
+        self.seconds = {m.name: dict.fromkeys(self.CALLS, 0.0) for m in self.members}
+        self.calls = {m.name: dict.fromkeys(self.CALLS, 0) for m in self.members}
+        self._active = 0
+        self.overlapped = False
+        """Whether two calls ever ran at once (members side by side): their seconds then overlap."""
+
+    def enter(self) -> None:
+        with self._lock:
+            self.overlapped = self.overlapped or self._active > 0
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    def disarm(self) -> None:
+        for m in self.members:
+            del m.open  # the class's method again
+
+
 def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
     """Every figure of one backend (the members are loaded here and released at the end)."""
     from specem_core import SpecEM, SpecEMConfig
@@ -65,6 +170,7 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
     from specem_core.registry import default_members
 
     members = default_members(backend=backend)
+    timings = CallTimes(members)
     engine = SpecEM(members, SpecEMConfig(segment_len=args.segment_len, ignore_eos=True))
     # warm-up (allocator, kernels)
     engine.generate(messages, max_new_tokens=12)
@@ -73,29 +179,58 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
 
     rows: list[dict[str, Any]] = []
     for t in args.tokens:
-        plain = {m.name: plain_generate_seconds(m, messages, t) for m in members}
-        result = engine.generate(messages, max_new_tokens=t)
-        produced = result.usage.completion_tokens
-        floor = sum(plain.values()) * produced / t
+        runs: list[dict[str, Any]] = []
+        for _ in range(args.repeats):  # floor and ensemble alternate, so drift hits both
+            plain = {m.name: plain_generate_seconds(m, messages, t) for m in members}
+            timings.reset()
+            result = engine.generate(messages, max_new_tokens=t)
+            produced = result.usage.completion_tokens
+            floor = sum(plain.values()) * produced / t
+            runs.append(
+                {
+                    "ensemble_s": result.seconds,
+                    "plain_s": plain,
+                    "ratio_vs_floor": result.seconds / floor,
+                    "first_segment_s": result.first_segment_seconds,
+                    "call_seconds": {name: dict(v) for name, v in timings.seconds.items()},
+                    "calls": {name: dict(v) for name, v in timings.calls.items()},
+                    "calls_overlapped": timings.overlapped,
+                }
+            )
+            print(
+                f"[{backend}] T={t}: ensemble {result.seconds:.1f}s for {produced} tokens, floor {floor:.1f}s",
+                flush=True,
+            )
+        ensemble_s = median(r["ensemble_s"] for r in runs)
+        plain = {m.name: median(r["plain_s"][m.name] for r in runs) for m in members}
+        ratios = [r["ratio_vs_floor"] for r in runs]
         rows.append(
             {
                 "tokens": t,
-                "ensemble_tokens": produced,
-                "ensemble_s": result.seconds,
+                "ensemble_tokens": produced,  # greedy: every repeat gives the same answer
+                "ensemble_s": ensemble_s,
                 "plain_s": plain,
-                "floor_s": floor,
-                "ratio_vs_floor": result.seconds / floor,
-                "s_per_token": result.seconds / produced,
-                "tokens_per_s": produced / result.seconds,
-                "first_segment_s": result.first_segment_seconds,
+                "floor_s": sum(plain.values()) * produced / t,
+                "ratio_vs_floor": median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+                "s_per_token": ensemble_s / produced,
+                "tokens_per_s": produced / ensemble_s,
+                "first_segment_s": median(r["first_segment_s"] for r in runs),
                 "rounds": len(result.segments),
                 "wins": result.wins,
+                "call_seconds": {
+                    name: {c: median(r["call_seconds"][name][c] for r in runs) for c in CallTimes.CALLS}
+                    for name in plain
+                },
+                "calls": runs[-1]["calls"],
+                "calls_overlapped": any(r["calls_overlapped"] for r in runs),
+                "usage": [vars(u) for u in result.usage.per_member],
+                "repeats": runs,
             }
         )
-        print(
-            f"[{backend}] T={t}: ensemble {result.seconds:.1f}s for {produced} tokens, floor {floor:.1f}s", flush=True
-        )
 
+    timings.disarm()
+    blocks = {m.name: block_costs(m, messages, args.segment_len) for m in members}
     naive: dict[str, Any] | None = None
     if args.naive_tokens:
         start = time.perf_counter()
@@ -121,7 +256,14 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
         "naive": naive,
         "growth": large["s_per_token"] / small["s_per_token"],
         "members": [m.name for m in members],
+        "block_costs": {name: cost for name, cost in blocks.items() if cost is not None},
     }
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """The ratio's range over the repeats, when there were several."""
+    low, high = row.get("ratio_range", [row["ratio_vs_floor"]] * 2)
+    return "" if len(row.get("repeats", ())) < 2 else f" ({low:.2f}–{high:.2f})"
 
 
 def report(res: dict[str, Any], segment_len: int) -> None:
@@ -141,11 +283,46 @@ def report(res: dict[str, Any], segment_len: int) -> None:
         plain_txt = " + ".join(f"{r['plain_s'][n]:.2f}" for n in names)
         print(
             f"| {r['tokens']} | {r['ensemble_s']:.2f} | {plain_txt} = {sum(r['plain_s'].values()):.2f} | "
-            f"**{r['ratio_vs_floor']:.2f}** | {r['s_per_token']:.4f} | {r['tokens_per_s']:.1f} | "
+            f"**{r['ratio_vs_floor']:.2f}**{_spread(r)} | {r['s_per_token']:.4f} | {r['tokens_per_s']:.1f} | "
             f"{r['first_segment_s']:.2f} |"
         )
     print()
     print(f"(b) per-token cost at T={rows[-1]['tokens']} / T={rows[0]['tokens']}: **{res['growth']:.2f}x**")
+    print()
+    print(f"(f) where an answer's time goes [{res['backend']}]: seconds in each member's calls next to its floor")
+    print(
+        "| T | member | floor s | draft s (calls) | score s (calls) | commit s (calls) | "
+        "drafted / reused tokens | beyond floor s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    overlapped = any(r["calls_overlapped"] for r in rows)
+    for r in rows:
+        scale = r["ensemble_tokens"] / r["tokens"]
+        usage = {u["member"]: u for u in r["usage"]}
+        for name in names:
+            sec, calls = r["call_seconds"][name], r["calls"][name]
+            floor = r["plain_s"][name] * scale
+            beyond = "–" if r["calls_overlapped"] else f"{sum(sec.values()) - floor:+.2f}"
+            u = usage.get(name, {})
+            print(
+                f"| {r['tokens']} | {name} | {floor:.2f} | "
+                + " | ".join(f"{sec[c]:.2f} ({calls[c]})" for c in CallTimes.CALLS)
+                + f" | {u.get('drafted_tokens', 0)} / {u.get('reused_tokens', 0)} | {beyond} |"
+            )
+        if not r["calls_overlapped"]:
+            other = r["ensemble_s"] - sum(sum(r["call_seconds"][n].values()) for n in names)
+            print(f"| {r['tokens']} | (engine: vote, text, stops) | – | – | – | – | – | {other:+.2f} |")
+    if overlapped:
+        print(
+            "Members ran their calls side by side (one device each, or a backend that overlaps them), "
+            "so their seconds overlap and do not add up to the answer's time."
+        )
+    for name, cost in res.get("block_costs", {}).items():
+        print(
+            f"(g) {name}: a {cost['block']}-token block on the cached prompt with its logit rows (a verification "
+            f"pass) {cost['block_ms']:.1f} ms = **{cost['block_ms'] / cost['step_ms']:.1f}** one-token steps "
+            f"({cost['step_ms']:.1f} ms); without rows {cost['block_no_rows_ms']:.1f} ms"
+        )
     naive = res["naive"]
     if naive is not None:
         print(
@@ -163,8 +340,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--naive-tokens", type=int, default=128, help="0 skips the no-cache loop")
     parser.add_argument("--segment-len", type=int, default=10)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="floor and ensemble alternate this many times; medians are reported"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/speed.json"))
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     import gc
 

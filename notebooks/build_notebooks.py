@@ -144,8 +144,10 @@ BENCHMARKS = [
         "    for res in speed['results']:\n"
         "        print(f\"[{res['backend']}] members: {', '.join(res['members'])}\")\n"
         "        for r in res['rows']:\n"
+        "            low, high = r.get('ratio_range', [r['ratio_vs_floor']] * 2)\n"
+        "            spread = f' ({low:.2f}-{high:.2f})' if len(r.get('repeats', [])) > 1 else ''\n"
         "            print(f\"  T={r['tokens']:>4}  ensemble {r['ensemble_s']:6.1f}s  floor {r['floor_s']:6.1f}s  \"\n"
-        "                  f\"ratio {r['ratio_vs_floor']:.2f}  {r['tokens_per_s']:5.1f} tok/s  \"\n"
+        "                  f\"ratio {r['ratio_vs_floor']:.2f}{spread}  {r['tokens_per_s']:5.1f} tok/s  \"\n"
         "                  f\"first segment {r['first_segment_s']:.2f}s\")\n"
         "        print('  per-token growth', round(res['growth'], 2))\n"
         "    for c in speed['comparison']:\n"
@@ -163,6 +165,28 @@ BENCHMARKS = [
         "        ax.bar([x + ' SpecEM' for x in xs], [r['ensemble_s'] for r in res['rows']], color='#1f77b4')\n"
         "        ax.set_ylabel('seconds'); ax.set_title(res['backend']); ax.tick_params(axis='x', rotation=30)\n"
         "    fig.suptitle('ensemble vs. sum of members alone'); fig.tight_layout(); plt.show()"
+    ),
+    new_markdown_cell(
+        "Where an answer's time goes, (f): seconds in each member's `draft`, `score` and `commit` calls next to "
+        "that member's floor. On llama.cpp members take turns, so the calls add up to the answer; what lies beyond "
+        "the floor is verification (a later drafter scores the earlier candidates inside its `draft` call) minus "
+        "the decode steps it saved by reusing their rows."
+    ),
+    new_code_cell(
+        "if speed is not None:\n"
+        "    for res in speed['results']:\n"
+        "        for r in res['rows']:\n"
+        "            if 'call_seconds' not in r or r.get('calls_overlapped'):\n"
+        "                continue  # older results, or members that ran side by side\n"
+        "            scale = r['ensemble_tokens'] / r['tokens']\n"
+        "            reused = {u['member']: (u['drafted_tokens'], u['reused_tokens']) for u in r['usage']}\n"
+        "            for name, sec in r['call_seconds'].items():\n"
+        "                floor = r['plain_s'][name] * scale\n"
+        "                drafted, taken = reused[name]\n"
+        "                print(f\"[{res['backend']}] T={r['tokens']:>4} {name[:28]:<28} floor {floor:5.2f}s  \"\n"
+        "                      f\"draft {sec['draft']:5.2f}s  score {sec['score']:5.2f}s  \"\n"
+        "                      f\"commit {sec['commit']:5.2f}s  \"\n"
+        '                      f"beyond floor {sum(sec.values()) - floor:+5.2f}s  reused {taken}/{drafted} tokens")'
     ),
     new_markdown_cell(
         "Speculative drafting on the other members' candidates (`SpecEMConfig.draft_hints`), on and off side by "
