@@ -3,7 +3,6 @@ installed build sound here), on the real installed llama-cpp-python and the pack
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "scripts" / "build_llama_cpp.sh"
@@ -75,12 +75,7 @@ def test_a_build_that_failed_its_check_is_not_chosen_again(tmp_path: Path) -> No
 
 
 def _check_module() -> Any:
-    spec = importlib.util.spec_from_file_location("check_llama_cpp", CHECK)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(str(CHECK.relative_to(ROOT)), "check_llama_cpp")
 
 
 def test_the_installed_build_passes_its_check() -> None:

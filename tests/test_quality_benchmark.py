@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT.parent / "shared" / "eval"
 
 
 def load_quality(monkeypatch: pytest.MonkeyPatch, eval_dir: Path, results: Path) -> Any:
-    spec = importlib.util.spec_from_file_location("quality_under_test", ROOT / "benchmarks" / "quality.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality_under_test"] = module
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/quality.py", "quality_under_test")
     monkeypatch.setattr(module, "EVAL_DIR", eval_dir)
     monkeypatch.setattr(module, "RESULTS", results)
     monkeypatch.setattr(module, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8})

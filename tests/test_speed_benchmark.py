@@ -4,28 +4,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from script_loader import load_script
+from tiny import member
 
-from tests.tiny import member
-
-ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
 def speed() -> Any:
-    spec = importlib.util.spec_from_file_location("speed_under_test", ROOT / "benchmarks" / "speed.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["speed_under_test"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/speed.py", "speed_under_test")
 
 
 def _generate(speed: Any, members: list[Any]) -> tuple[Any, Any]:
