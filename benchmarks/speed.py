@@ -68,7 +68,11 @@ def plain_generate_seconds(member: Any, messages: list[dict[str, str]], tokens: 
 def block_costs(member: Any, messages: list[dict[str, str]], block: int, repeats: int = 9) -> dict[str, float] | None:
     """What verification costs a llama.cpp member's kernels: milliseconds of one decode step and of
     one ``block``-token call on the cached prompt, with every position's logit row (as verification
-    reads them) and without (the body alone); medians of ``repeats``. None for other backends."""
+    reads them) and without (the body alone); medians of ``repeats``. None for other backends.
+
+    Timed through the backend's own decode path (its context pool, row copies and log-probs), on
+    the member the engine uses; ``llama_cpp_kernels.Probe.call_costs`` times bare C calls that read
+    the last row only, which is what drafting pays, not verification."""
     if not hasattr(member.model, "n_ctx"):
         return None
     from specem_core.backends.base import SessionRequest
@@ -262,8 +266,10 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
 
 def _spread(row: dict[str, Any]) -> str:
     """The ratio's range over the repeats, when there were several."""
-    low, high = row.get("ratio_range", [row["ratio_vs_floor"]] * 2)
-    return "" if len(row.get("repeats", ())) < 2 else f" ({low:.2f}–{high:.2f})"
+    if len(row.get("repeats", ())) < 2:
+        return ""
+    low, high = row["ratio_range"]
+    return f" ({low:.2f}–{high:.2f})"
 
 
 def report(res: dict[str, Any], segment_len: int) -> None:
