@@ -40,7 +40,7 @@ from llama_server import LlamaServer, start_server, start_vllm_server
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.http import OpenAIHTTPMember
+from specem_core.backends.http.member import OpenAIHTTPMember
 from specem_core.registry import resolve_tokenizer
 from specem_core.types import Candidate, CandidateScore, Draft
 

@@ -22,8 +22,18 @@ QUICKSTART = [
         "# SpecEM quickstart\n\n"
         "Several small models write one answer together, **segment by segment**: each drafts the next ~10 tokens, "
         "every model scores every draft, the best one is committed and everybody continues from it. "
-        "This notebook runs the embedded default models offline (SmolLM2-135M-Instruct and "
-        "Qwen2.5-Coder-0.5B-Instruct, plus Gemma-3-270M as a verify-only member) and shows who wrote what."
+        "This notebook starts from the named presets (measured configurations: `specem presets` lists them), then "
+        "builds an ensemble by hand from the embedded models (SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct, "
+        "plus Gemma-3-270M as a verify-only member), offline, and shows who wrote what."
+    ),
+    new_code_cell(
+        "from specem_core import SpecEM\n"
+        "from specem_core.presets import PRESETS, get_preset\n\n"
+        "for preset in PRESETS.values():\n"
+        "    print(f'{preset.name:8} {\" + \".join(preset.members)}')\n"
+        "default = SpecEM.from_preset(max_new_tokens=32)  # the default preset: get_preset().name\n"
+        "answer = default.generate('What is 17 + 25? Answer with the number only.')\n"
+        "print(get_preset().name, '->', answer.text, answer.wins)"
     ),
     new_code_cell(
         "import warnings\n\n"
@@ -112,8 +122,9 @@ QUICKSTART = [
         "    print(f'{s.member:>30}: {s.score:5.1f}%  errors={s.errors}  {s.seconds / s.examples:.2f} s/answer')\n"
         "print('prior:', calibration.prior)\n"
         "print('better / worse / sign test p:', calibration.paired(calibration.best, calibration.runner_up))\n"
-        "calibrated = SpecEM(members[:2], SpecEMConfig(max_new_tokens=48, normalization='softmax'),\n"
-        "                    weights=calibration.weights())\n"
+        "# the recommended settings (the quality preset's: trusted opening, Model Exit, softmax rows) with this prior\n"
+        "recommended = SpecEMConfig(**{**get_preset('quality').config, 'max_new_tokens': 48})\n"
+        "calibrated = SpecEM(members[:2], recommended, weights=calibration.weights(min_share=0.1))\n"
         "print(calibrated.generate('What is 14 + 27? Reply with the number only.').text)\n"
         "calibrated.weights.current()"
     ),
@@ -265,7 +276,7 @@ LANGCHAIN_RAG = [
         "from langchain_core.runnables import RunnablePassthrough\n"
         "from langchain_core.vectorstores import InMemoryVectorStore\n\n"
         "from specem_integrations.langchain import ChatSpecEM, SentenceTransformerEmbeddings\n\n"
-        "llm = ChatSpecEM(max_tokens=40)\n"
+        "llm = ChatSpecEM(max_tokens=40)  # the default preset (ChatSpecEM(preset='fast') for the small one)\n"
         "store = InMemoryVectorStore(SentenceTransformerEmbeddings())\n"
         "store.add_documents([\n"
         "    Document(page_content='The access code of the Zephyr vault is 7319.'),\n"
@@ -305,7 +316,7 @@ LLAMAINDEX_QUERY = [
         "warnings.filterwarnings('ignore', message='IProgress not found')\n"
         "from llama_index.core import Document, Settings, VectorStoreIndex\n\n"
         "from specem_integrations.llamaindex import SentenceTransformerEmbedding, SpecEMLLM\n\n"
-        "Settings.llm = SpecEMLLM(max_new_tokens=40)\n"
+        "Settings.llm = SpecEMLLM(max_tokens=40)  # the default preset\n"
         "Settings.embed_model = SentenceTransformerEmbedding()\n"
         "index = VectorStoreIndex.from_documents([\n"
         "    Document(text='The secret launch code of project Zephyr is 7319.'),\n"
@@ -354,7 +365,7 @@ AGENTS = [
         '    """Multiply two integers a and b and return the product."""\n'
         "    return a * b\n\n\n"
         "fagent = FunctionAgent(\n"
-        "    tools=[times], llm=SpecEMLLM(max_new_tokens=48),\n"
+        "    tools=[times], llm=SpecEMLLM(max_tokens=48),\n"
         "    system_prompt='To compute a product, call the times tool. Once you have the tool result, '\n"
         "    'do not call a tool again: answer in one short sentence that states the result.',\n"
         ")\n"
@@ -376,7 +387,7 @@ SERVE = [
         "`specem serve` loads the members once and answers `POST /v1/chat/completions` (JSON and SSE streaming, "
         "tools, `response_format`), `GET /v1/models` and `GET /health` for many clients at once. Any OpenAI client "
         "can use it; here LangChain's `ChatOpenAI` and the `openai` SDK. The notebook starts its own server on a "
-        "free loopback port (`--port 0`) with the embedded default pair and stops it at the end; from a shell the "
+        "free loopback port (`--port 0`) with the default preset and stops it at the end; from a shell the "
         "same is `specem serve` (port 8000)."
     ),
     new_code_cell(
@@ -390,7 +401,7 @@ SERVE = [
         "import httpx\n\n"
         "log = tempfile.NamedTemporaryFile(prefix='specem-serve-', suffix='.log', delete=False)\n"
         "server = subprocess.Popen(\n"
-        "    [sys.executable, '-m', 'specem_core.cli', 'serve', '--port', '0', '--max-new-tokens', '32',\n"
+        "    [sys.executable, '-m', 'specem_integrations.cli', 'serve', '--port', '0', '--max-tokens', '32',\n"
         "     '--max-concurrency', '2', '--no-access-log'],\n"
         "    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,\n"
         "    env={**os.environ, 'OMP_NUM_THREADS': '1'})  # one torch thread per request on a small CPU\n"
@@ -444,7 +455,7 @@ SERVE = [
     ),
     new_markdown_cell(
         "## The per-round trace, on request\n\n"
-        "Never sent by default; ask with `\"specem\": {\"trace\": true}` in the body (here through the `openai` "
+        'Never sent by default; ask with `"specem": {"trace": true}` in the body (here through the `openai` '
         "SDK's `extra_body`) or the header `X-SpecEM-Trace: 1`."
     ),
     new_code_cell(

@@ -48,6 +48,11 @@ VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 CACHE=${SPECEM_WHEEL_CACHE:-$HOME/.cache/specem/wheels}
 NICE=${SPECEM_BUILD_NICE:-19}
 REQUEST=${SPECEM_LLAMA_CPU:-auto}
+# What the build compiles beyond the libraries the package loads (checked in 0.3.36's sdist):
+# llama.cpp's tests, tools, examples and server default to OFF when it is built as a subproject
+# (LLAMA_STANDALONE=OFF, vendor/llama.cpp/CMakeLists.txt); the multimodal library is turned off
+# here (LLAVA_BUILD=OFF); the common library is forced ON by llama-cpp-python's own CMakeLists
+# (a FORCE'd cache entry, which -D cannot override). Nothing else is left to turn off.
 BASE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
 
 # the CPU's flags, as words (empty where /proc/cpuinfo is missing: then AVX2 only)

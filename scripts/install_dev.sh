@@ -16,10 +16,10 @@ bash scripts/install.sh
 # llama-cpp-python[server]: the real OpenAI-compatible server the HTTP tests run on loopback (the
 # cached portable wheel from install.sh, plus the server's dependencies).
 PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh --server
-# The default pair converted once into ~/.cache/specem (fp32 safetensors) for the transformers
-# backend's tests (later loads take seconds), and Gemma-3-270M's GGUF for the llama.cpp tests of a
-# third architecture.
-.venv/bin/specem models pull --backend transformers
+# The fast preset's members (SmolLM2-135M + Qwen2.5-Coder-0.5B) converted once into ~/.cache/specem
+# (fp32 safetensors) for the transformers backend's tests (later loads take seconds), and
+# Gemma-3-270M's GGUF for the llama.cpp tests of a third architecture.
+.venv/bin/specem models pull --preset fast --backend transformers
 .venv/bin/specem models pull gemma3 --backend llamacpp
 # vLLM (CPU build) in its own environment, for the vLLM tests: best effort — without it those tests
 # skip and say why.

@@ -74,7 +74,9 @@ __all__ = [
     "Usage",
     "__version__",
     "default_engine",
+    "get_preset",
     "load_member",
+    "preset_names",
 ]
 
 
@@ -92,8 +94,12 @@ def __getattr__(name: str) -> Any:
         from specem_core.backends.http.judge import APIJudgeMember
 
         return APIJudgeMember
-    if name in ("load_member", "default_engine"):
+    if name == "load_member":
         from specem_core import registry
 
-        return getattr(registry, name)
+        return registry.load_member
+    if name in ("default_engine", "get_preset", "preset_names"):
+        from specem_core import presets
+
+        return getattr(presets, name)
     raise AttributeError(f"module 'specem_core' has no attribute {name!r}")

@@ -103,7 +103,43 @@ class SpecEM:
         self._config = (config or SpecEMConfig()).replace(**config_overrides)
         if weights is not None and not isinstance(weights, MemberWeights):
             weights = MemberWeights.open(weights)
+        if weights is not None and weights.prior:
+            # a misspelt name: a prior entry for no member while a member has none, which would
+            # silently fall back to the mean prior (a state shared with a larger ensemble, whose
+            # extra entries name members absent here, is fine)
+            unknown = sorted(set(weights.prior) - set(names))
+            unpriored = [n for n in names if n not in weights.prior]
+            if unknown and unpriored:
+                raise ConfigError(
+                    f"the member-weights prior names {', '.join(unknown)}, not in this ensemble, and has no entry "
+                    f"for {', '.join(unpriored)}: a misspelt member name? The members are {', '.join(names)}"
+                )
         self._weights = weights
+
+    @classmethod
+    def from_preset(cls, name: str | None = None, **overrides: Any) -> SpecEM:
+        """The engine of a named preset (:mod:`specem_core.presets`; ``None``: the default, the
+        one ``specem presets`` marks), with explicit arguments overriding the preset's.
+
+        Args:
+            name: ``"quality"``, ``"fast"``, ``"paper"``, … (``specem presets`` lists them).
+            **overrides: :class:`SpecEMConfig` fields over the preset's; ``members`` (specs or
+                members: replaces the preset's, and drops its prior unless ``weights`` is given);
+                ``weights`` (a ``MemberWeights``, a state-file path, or ``False`` for none);
+                ``backend``, ``device`` and ``member_kwargs`` for loading members by name.
+
+        Example:
+            >>> engine = SpecEM.from_preset("quality", max_new_tokens=128)  # doctest: +SKIP
+            >>> engine.generate("Capital of France?").text  # doctest: +SKIP
+
+        Raises:
+            ConfigError: an unknown preset (the message lists them) or an unknown/invalid field.
+        """
+        # the presets sit above the engine (they load members through the registry): imported
+        # here, where it is used, so the engine module itself stays below them
+        from specem_core.presets import build_engine
+
+        return build_engine(name, **overrides)
 
     @property
     def weights(self) -> MemberWeights | None:

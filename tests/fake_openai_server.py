@@ -4,8 +4,9 @@ It speaks ``/v1/models``, ``/v1/completions`` (with ``echo`` + ``logprobs``) and
 ``/v1/chat/completions`` in the dialects that matter to SpecEM:
 
 * ``dialect="vllm"``: echo entries for every token, specials spelled out, offsets into the text
-  we sent, each log-prob aligned with its token, ``max_tokens=0`` generates nothing, assistant
-  prefill (``continue_final_message``) supported.
+  we sent, each log-prob aligned with its token, assistant prefill (``continue_final_message``)
+  supported. ``max_tokens`` below 1 is a 400 (``max_tokens must be at least 1, got 0.``), except
+  ``max_tokens=0`` with ``echo`` on ``/completions``: vLLM echoes the prompt and generates nothing.
 * ``dialect="llama"``: a line-by-line model of llama-cpp-python 0.3.36's ``_create_completion``:
   entry ``i`` pairs token ``i`` with the distribution *after* it, unless the prompt's first token
   is BOS (then it is dropped and the pairing lines up); specials are spelled ``""`` and left out
@@ -103,6 +104,9 @@ class FakeServer:
             return httpx.Response(200, json={"object": "list", "data": [entry]})
         body = json.loads(request.content)
         self.requests.append(body)
+        rejected = self._reject(path, body)
+        if rejected is not None:
+            return rejected
         if path.endswith("/chat/completions"):
             if self.chat_handler is not None:
                 return httpx.Response(200, json=self.chat_handler(body))
@@ -110,6 +114,18 @@ class FakeServer:
         if path.endswith("/completions"):
             return httpx.Response(200, json=self.completion(body))
         return httpx.Response(404, json={"error": "not found"})
+
+    def _reject(self, path: str, body: dict[str, Any]) -> httpx.Response | None:
+        """vLLM's 400 for a ``max_tokens`` below 1 (its ``SamplingParams`` check); the one exception
+        is ``/completions`` with ``echo`` and ``max_tokens=0`` ("echo without generation")."""
+        max_tokens = body.get("max_tokens")
+        if self.dialect != "vllm" or not isinstance(max_tokens, int) or max_tokens >= 1:
+            return None
+        if max_tokens == 0 and body.get("echo") and not path.endswith("/chat/completions"):
+            return None
+        message = f"max_tokens must be at least 1, got {max_tokens}."
+        error = {"message": message, "type": "BadRequestError", "param": "max_tokens", "code": 400}
+        return httpx.Response(400, json={"error": error})
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handler)

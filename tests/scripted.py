@@ -24,6 +24,8 @@ class ScriptedMember:
     concurrency_key: str = "scripted"
     fail_on: set[str] = field(default_factory=set)
     """Stages (open/draft/score/commit) that raise."""
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    """What a stage in ``fail_on`` raises, instead of that stage's default error."""
     calls: list[str] = field(default_factory=list)
     draft_cost: float = 0.0
     hints_seen: list[list[str]] = field(default_factory=list)
@@ -32,7 +34,7 @@ class ScriptedMember:
     def open(self, request: SessionRequest) -> ScriptedSession:
         self.calls.append("open")
         if "open" in self.fail_on:
-            raise RuntimeError(f"{self.name} cannot open")
+            raise self.errors.get("open") or RuntimeError(f"{self.name} cannot open")
         return ScriptedSession(self, request)
 
 
@@ -63,7 +65,7 @@ class ScriptedSession:
         self.member.calls.append("draft")
         self.member.hints_seen.append([h.text for h in hints])
         if "draft" in self.member.fail_on:
-            raise TimeoutError(f"{self.member.name} timed out")
+            raise self.member.errors.get("draft") or TimeoutError(f"{self.member.name} timed out")
         self.round += 1
         text, ended = self.member.drafts[min(self.round, len(self.member.drafts)) - 1]
         return Draft(text=text, ended=ended, tokens=len(text.split()))
@@ -71,14 +73,14 @@ class ScriptedSession:
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         self.member.calls.append("score")
         if "score" in self.member.fail_on:
-            raise ConnectionError(f"{self.member.name} refused")
+            raise self.member.errors.get("score") or ConnectionError(f"{self.member.name} refused")
         values = [self.member.scorer(self.text, c) for c in candidates]
         return [CandidateScore(mean_logit=v, mean_logprob=v - 100.0, n_tokens=1) for v in values]
 
     def commit(self, text: str, *, final: bool = False) -> None:
         self.member.calls.append("commit")
         if "commit" in self.member.fail_on:
-            raise RuntimeError("commit failed")
+            raise self.member.errors.get("commit") or RuntimeError("commit failed")
         self.text += text
         self.final = final
 

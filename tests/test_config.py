@@ -77,6 +77,44 @@ def test_faithful_mode_forces_the_authors_formulas() -> None:
 
 
 def test_to_dict_is_plain_json() -> None:
+    import dataclasses
     import json
 
-    json.dumps(SpecEMConfig(stop=("x",)).to_dict())
+    cfg = SpecEMConfig(
+        stop=("x", "END"),
+        segment_len=4,
+        seed=7,
+        temperature=0.5,
+        normalization="softmax",
+        parallel=False,
+        extra={"run": "a", "tags": [1, 2]},
+    )
+    d = cfg.to_dict()
+    # every field is present, and nothing else
+    assert set(d) == {f.name for f in dataclasses.fields(SpecEMConfig)}
+    assert isinstance(d["stop"], list)
+    assert d["stop"] == ["x", "END"]
+    # plain JSON: a json round trip gives the same dict back (a tuple would come back a list)
+    loaded = json.loads(json.dumps(d))
+    assert loaded == d
+    # and it rebuilds the same configuration; `extra` is compare=False, so check it on its own
+    rebuilt = SpecEMConfig(**loaded)
+    assert rebuilt == cfg
+    assert rebuilt.stop == ("x", "END")
+    assert rebuilt.extra == cfg.extra
+
+
+def test_a_lone_surrogate_in_a_per_request_stop_string_is_a_config_error() -> None:
+    """Stop strings are configuration: given per request they fail as they do in the config."""
+    from scripted import ScriptedMember
+
+    from specem_core import InputError, SpecEM
+
+    engine = SpecEM([ScriptedMember("a", drafts=[("hi", True)])])
+    for call in (
+        lambda: engine.generate("q", stop=["ok", "x\ud800"]),
+        lambda: list(engine.stream("q", stop="x\ud800")),
+    ):
+        with pytest.raises(ConfigError, match=r"^stop string \d \('x\\ud800'\) contains a lone surrogate") as info:
+            call()
+        assert not isinstance(info.value, InputError)

@@ -239,9 +239,50 @@ def test_failing_verifier_and_open_are_excluded() -> None:
 
 
 def test_every_drafter_failing_raises_with_reasons() -> None:
-    bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})
-    with pytest.raises(AllMembersFailedError, match="bad"):
-        _engine(bad, member_retries=0).generate("q")
+    slow = ScriptedMember("slow", drafts=[("x", False)], fail_on={"draft"})  # TimeoutError: slow timed out
+    gone = ScriptedMember(
+        "gone", drafts=[("y", False)], fail_on={"draft"}, errors={"draft": ConnectionError("connection reset")}
+    )
+    broken = ScriptedMember("broken", fail_on={"open"}, errors={"open": OSError("no such model file")})
+    judge = ScriptedMember("judge", can_draft=False)  # a healthy verifier: it cannot answer alone
+    with pytest.raises(AllMembersFailedError) as info:
+        _engine(slow, gone, broken, judge, member_retries=0).generate("q")
+    message = str(info.value)
+    assert message.startswith("every drafting member failed: ")
+    reasons = message.removeprefix("every drafting member failed: ").split("; ")
+    assert sorted(reasons) == [
+        "broken (open): OSError: no such model file",
+        "gone (draft): ConnectionError: connection reset",
+        "slow (draft): TimeoutError: slow timed out",
+    ]
+    assert "judge" not in message
+    assert slow.calls.count("draft") == gone.calls.count("draft") == 1  # member_retries=0
+
+
+def test_a_member_failing_at_commit_is_excluded_and_the_others_finish() -> None:
+    prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
+    a = ScriptedMember("a", drafts=[("a1 ", False), ("a2 ", False), ("a3", True)], scorer=prefer_a)
+    b = ScriptedMember("b", drafts=[("b1 ", False), ("b2 ", False), ("b3", True)], scorer=prefer_a)
+    c = ScriptedMember(
+        "c",
+        drafts=[("c1 ", False)],
+        scorer=prefer_a,
+        fail_on={"commit"},
+        errors={"commit": KeyError("kv cache slot lost")},
+    )
+    result = _engine(a, b, c, member_retries=1).generate("q")
+    assert result.text == "a1 a2 a3"  # the answer completes from the others
+    assert result.finish_reason == "stop"
+    assert [(e.member, e.stage, e.round) for e in result.excluded] == [("c", "commit", 1)]
+    assert result.excluded[0].error == "KeyError: 'kv cache slot lost'"
+    assert c.calls.count("commit") == 2  # tried, retried once, then excluded
+    assert c.calls.count("draft") == 1  # ... and never asked again in this request
+    assert c.calls.count("score") == 1
+    assert c.calls[-1] == "close"  # its session was closed when it was excluded
+    assert result.segments[0].drafters == ["a", "b", "c"]
+    assert [seg.drafters for seg in result.segments[1:]] == [["a", "b"], ["a", "b"]]
+    assert [seg.verifiers for seg in result.segments[1:]] == [["a", "b"], ["a", "b"]]
+    assert result.members_per_round == [3, 2, 2]
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_real_file_cut_in_the_tensor_data(smollm2_gguf: Path, tmp_path: Path) ->
 
 
 def test_transformers_member_checks_the_file_before_loading(smollm2_gguf: Path, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers is not installed (the hf extra: pip install -e '.[hf]')")
     from specem_core.backends.transformers import TransformersMember
 
     info = validate_gguf(smollm2_gguf)
@@ -253,7 +253,9 @@ def test_unknown_tensor_type_checks_only_its_offset(tmp_path: Path) -> None:
 
 
 def test_block_sizes_agree_with_gguf_py() -> None:
-    gguf = pytest.importorskip("gguf")
+    gguf = pytest.importorskip(
+        "gguf", reason="gguf-py, the reference for the block sizes, is not installed (the hf extra)"
+    )
     theirs = {int(t): (t.name, *sizes) for t, sizes in gguf.constants.GGML_QUANT_SIZES.items()}
     for ggml_type, ours in GGML_TYPES.items():
         if ours[0] == "Q8_1":

@@ -12,14 +12,10 @@ from fake_openai_server import CHATML, FakeServer, chat_answer
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SessionRequest
-from specem_core.backends.judge import (
-    APIJudgeMember,
-    JudgeOptions,
-    addresses_judge,
-    judge_orders,
-    label_probabilities,
-)
-from specem_core.backends.openai_http import OpenAIHTTPMember, RetryPolicy
+from specem_core.backends.http.client import RetryPolicy
+from specem_core.backends.http.judge import APIJudgeMember
+from specem_core.backends.http.judge_prompt import JudgeOptions, addresses_judge, judge_orders, label_probabilities
+from specem_core.backends.http.member import OpenAIHTTPMember
 from specem_core.types import Candidate
 
 FAST = RetryPolicy(max_retries=1, backoff_base=0.001)

@@ -418,12 +418,47 @@ def test_bad_gguf_files_are_named(tmp_path: Path, models: dict[str, LlamaCppMode
 
 
 # -- specs, defaults and the integrations ------------------------------------------------------
-def test_specs_and_backend_keyword_select_llama_cpp(tmp_path: Path, models: dict[str, LlamaCppModel]) -> None:
+def _cuda_visible(monkeypatch: pytest.MonkeyPatch, visible: bool) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed: CUDA visibility cannot be simulated")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible)
+
+
+def test_default_backend_is_llama_cpp_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specem_core import registry
+
+    _cuda_visible(monkeypatch, False)
+    assert registry.default_backend() == "llamacpp"  # llama-cpp-python imports (this module needs it)
+
+
+def test_transformers_is_chosen_when_cuda_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specem_core import registry
+
+    _cuda_visible(monkeypatch, True)
+    assert registry.default_backend() == "transformers"
+
+
+def test_transformers_is_the_default_without_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from specem_core import registry
+
+    _cuda_visible(monkeypatch, False)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find_spec(name, *a)
+    )
+    assert registry.default_backend() == "transformers"
+
+
+def test_specs_and_backend_keyword_select_llama_cpp(
+    tmp_path: Path, models: dict[str, LlamaCppModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from specem_core import registry
 
     if "llama" not in models:
         pytest.skip("SmolLM2 GGUF not installed")
-    assert registry.default_backend() == "llamacpp"  # llama-cpp-python imports and no CUDA here
+    _cuda_visible(monkeypatch, False)  # the CPU default, also on a machine where CUDA is visible
+    assert registry.default_backend() == "llamacpp"  # llama-cpp-python imports and (simulated) no CUDA
     a = registry.load_member("llamacpp:smollm2")
     b = registry.load_member("smollm2", backend="llamacpp", name="other")
     c = registry.load_member(str(models["llama"].path), backend="llamacpp")
@@ -442,7 +477,7 @@ def test_specs_and_backend_keyword_select_llama_cpp(tmp_path: Path, models: dict
 
 
 def test_cli_backend_flag_and_pull(capsys: pytest.CaptureFixture[str], models: dict[str, LlamaCppModel]) -> None:
-    from specem_core.cli import main
+    from specem_integrations.cli import main
 
     if "llama" not in models:
         pytest.skip("SmolLM2 GGUF not installed")
@@ -457,8 +492,10 @@ def test_cli_backend_flag_and_pull(capsys: pytest.CaptureFixture[str], models: d
 
 
 def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None:
-    pytest.importorskip("langchain_core")
-    pytest.importorskip("llama_index.core")
+    pytest.importorskip("langchain_core", reason="the langchain extra is not installed (pip install -e '.[langchain]')")
+    pytest.importorskip(
+        "llama_index.core", reason="the llamaindex extra is not installed (pip install -e '.[llamaindex]')"
+    )
     from specem_integrations.langchain import ChatSpecEM
     from specem_integrations.llamaindex import SpecEMLLM
 

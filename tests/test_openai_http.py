@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -20,21 +21,19 @@ from fake_openai_server import CHATML, FakeServer
 
 from specem_core import AllMembersFailedError, ModelNotFoundError, SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.openai_http import (
+from specem_core.backends.http.alignment import EchoLogprobs, align_echo, parse_echo_logprobs
+from specem_core.backends.http.client import OpenAIClient, RetryPolicy, run_sync
+from specem_core.backends.http.errors import (
     AlignmentError,
     CapabilityError,
-    EchoLogprobs,
     HTTPMemberError,
-    OpenAIClient,
-    OpenAIHTTPMember,
     RequestCancelledError,
-    RetryPolicy,
-    ServerCapabilities,
     ServerResponseError,
-    align_echo,
+)
+from specem_core.backends.http.member import (
+    OpenAIHTTPMember,
+    ServerCapabilities,
     continuation_anchor,
-    parse_echo_logprobs,
-    run_sync,
     splice_continuation,
 )
 from specem_core.types import Candidate
@@ -59,7 +58,7 @@ def open_session(m: OpenAIHTTPMember, messages: list[dict[str, str]] | None = No
 @pytest.mark.parametrize(
     ("dialect", "bos", "shift", "zero"),
     [
-        ("vllm", "<|im_start|>", 0, "zero"),
+        ("vllm", "<|im_start|>", 0, "rejected"),  # vLLM: max_tokens must be >= 1 (as test_openai_http_vllm)
         ("llama", "<|im_start|>", 0, "unlimited"),  # SmolLM2: BOS == <|im_start|>, dropped from echo
         ("llama", "<|endoftext|>", 1, "unlimited"),  # Qwen: the prompt does not start with BOS
     ],
@@ -74,6 +73,35 @@ def test_probe_detects_echo_alignment_and_max_tokens_zero(dialect: str, bos: str
     assert caps.server == ("vllm" if dialect == "vllm" else "llama-cpp-python")
     assert m.modes == ("completions", "logprobs")
     assert m.model == "fake"  # taken from /v1/models
+
+
+def test_vllm_fake_rejects_max_tokens_zero_except_echo_without_generation() -> None:
+    """Like vLLM: ``max_tokens=0`` is a 400 (the probe sees "rejected") except with ``echo``, where
+    nothing is generated; a member given ``max_tokens_zero="zero"`` scores with it and gets the
+    same scores as with the one generated token vLLM's probe leads to."""
+    server = FakeServer(dialect="vllm")
+    client = httpx.Client(transport=server.transport(), base_url="http://fake.test/v1")
+    plain = client.post("/completions", json={"prompt": "hi", "max_tokens": 0})
+    assert plain.status_code == 400
+    assert plain.json()["error"]["message"] == "max_tokens must be at least 1, got 0."
+    assert plain.json()["error"]["param"] == "max_tokens"
+    chat = client.post("/chat/completions", json={"messages": QUESTION, "max_tokens": 0})
+    assert chat.status_code == 400
+    echoed = client.post("/completions", json={"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert echoed.status_code == 200
+    assert echoed.json()["choices"][0]["text"] == "hi"
+    assert echoed.json()["usage"]["completion_tokens"] == 0
+
+    probed = member(server).probe()
+    assert probed.max_tokens_zero == "rejected"
+    cands = [Candidate("a", " The capital", False), Candidate("b", " zzz", False)]
+    rows = {}
+    for zero in ("rejected", "zero"):
+        server.requests.clear()
+        m = member(server, capabilities=replace(probed, max_tokens_zero=zero))
+        rows[zero] = open_session(m).score(cands, score_eos=False)
+        assert {body["max_tokens"] for body in server.requests if body.get("echo")} == {0 if zero == "zero" else 1}
+    assert [r.mean_logprob for r in rows["zero"]] == [r.mean_logprob for r in rows["rejected"]]
 
 
 def test_probe_detects_prefill_support_without_a_local_template() -> None:
@@ -491,12 +519,26 @@ def test_cancel_interrupts_an_in_flight_request() -> None:
 
 
 async def test_async_api_and_task_cancellation() -> None:
-    gate = asyncio.Event()
+    """A draft cancelled while its HTTP request is blocked stops that request on the background loop
+    (it never gets an answer, even once the server would give one), and the session stays usable;
+    closing a session cancels its blocked request too and refuses further work."""
+    gate = threading.Event()  # the server answers the blocked draft only once this opens
+    entered = threading.Event()  # the blocked draft reached the server
+    aborted = threading.Event()  # ... and was cancelled there
+    leaked: list[dict[str, Any]] = []  # blocked drafts the server answered anyway
     server = FakeServer(dialect="vllm")
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/completions") and json.loads(request.content).get("max_tokens") == 99:
-            await asyncio.sleep(30)
+        body = json.loads(request.content) if request.content else {}
+        if request.url.path.endswith("/completions") and body.get("max_tokens") == 99:
+            entered.set()
+            try:
+                while not gate.is_set():
+                    await asyncio.sleep(0.005)
+            except asyncio.CancelledError:
+                aborted.set()
+                raise
+            leaked.append(body)
         return server.handler(request)
 
     m = OpenAIHTTPMember("http://a/v1", chat_template=CHATML, transport=httpx.MockTransport(handler), retry=FAST)
@@ -504,14 +546,48 @@ async def test_async_api_and_task_cancellation() -> None:
     s = await asyncio.to_thread(open_session, m)
     draft = await s.adraft(4, SamplingParams())
     assert draft.text == "The capital of France"
+    assert m.stats.drafts == 1
+
+    # 1. cancelling the caller's task cancels the request where it is blocked
     task = asyncio.ensure_future(s.adraft(99, SamplingParams()))
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(entered.wait, 5.0)
+    assert not task.done()  # blocked behind the gate
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    gate.set()
+    assert await asyncio.to_thread(aborted.wait, 5.0), "the HTTP request kept running after the task was cancelled"
+    gate.set()  # the server would answer now: a request still running would get its answer
+    await asyncio.sleep(0.1)
+    assert leaked == []
+    assert all(body.get("max_tokens") != 99 for body in server.requests)
+    assert m.stats.drafts == 1  # the cancelled draft was not counted as drafted
+    # the session is still usable
     row = await s.ascore([Candidate("a", "The", False), Candidate("b", "A", False)], score_eos=False)
     assert len(row) == 2
+    assert row[0].mean_logprob is not None
+
+    # 2. closing the session (from another thread, as the engine does) cancels its blocked request
+    gate.clear()
+    entered.clear()
+    aborted.clear()
+    s2 = await asyncio.to_thread(open_session, m)
+    task = asyncio.ensure_future(s2.adraft(99, SamplingParams()))
+    assert await asyncio.to_thread(entered.wait, 5.0)
+    await asyncio.to_thread(s2.close)
+    with pytest.raises(RequestCancelledError):
+        await asyncio.wait_for(task, 5.0)  # a close that cancels nothing would leave it blocked
+    assert await asyncio.to_thread(aborted.wait, 5.0), "closing the session left its request running"
+    gate.set()
+    await asyncio.sleep(0.1)
+    assert leaked == []
+    assert m.stats.drafts == 1
+    with pytest.raises(RequestCancelledError, match="closed"):
+        await asyncio.to_thread(s2.draft, 4, SamplingParams())
+    with pytest.raises(RequestCancelledError, match="closed"):  # the async calls refuse too: no request sent
+        await s2.adraft(4, SamplingParams())
+    with pytest.raises(RequestCancelledError, match="closed"):
+        await s2.ascore([], score_eos=False)
+    assert m.stats.drafts == 1
     await m.aclose()
 
 
@@ -617,7 +693,7 @@ def test_two_http_members_vote_and_the_better_candidate_wins() -> None:
 
 def test_member_specs() -> None:
     from specem_core import APIJudgeMember, OpenAIHTTPMember
-    from specem_core.backends.openai_http import is_http_spec, member_from_spec
+    from specem_core.backends.http.factory import is_http_spec, member_from_spec
 
     assert is_http_spec("openai:http://gpu-1:8000/v1#Qwen/Qwen2.5-7B-Instruct")
     assert not is_http_spec("smollm2")
@@ -634,15 +710,18 @@ def test_member_specs() -> None:
         member_from_spec("judge:https://api.example.com/v1#m", api_key_env="NO_SUCH_KEY_VAR")
 
 
-def test_old_module_paths_re_export_the_http_package() -> None:
-    from specem_core.backends import http, judge, openai_http
+def test_http_names_have_one_import_path() -> None:
+    """The re-export shims (backends/openai_http.py, backends/judge.py) are gone and the http
+    package re-exports nothing: each name is imported from the module that defines it."""
+    import importlib.util
+    import types
 
-    for name in openai_http.__all__:
-        assert getattr(openai_http, name) is getattr(http, name, None) or name == "log", name
-    for name in judge.__all__:
-        assert getattr(judge, name) is getattr(http, name), name
-    assert openai_http.OpenAIHTTPMember is http.member.OpenAIHTTPMember
-    assert judge.APIJudgeMember is http.judge.APIJudgeMember
+    from specem_core.backends import http
+
+    for old in ("specem_core.backends.openai_http", "specem_core.backends.judge"):
+        assert importlib.util.find_spec(old) is None, old
+    public = {name: value for name, value in vars(http).items() if not name.startswith("_")}
+    assert all(isinstance(value, types.ModuleType) for value in public.values()), sorted(public)
 
 
 def test_local_tokenizer_gives_template_exact_counts_and_ignore_eos_bias() -> None:

@@ -16,8 +16,11 @@ from llama_server import LlamaServer, llama_cpp_available, scores_beside_transfo
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.judge import APIJudgeMember, JudgeOptions
-from specem_core.backends.openai_http import HTTPMemberError, OpenAIHTTPMember, RetryPolicy
+from specem_core.backends.http.client import RetryPolicy
+from specem_core.backends.http.errors import HTTPMemberError
+from specem_core.backends.http.judge import APIJudgeMember
+from specem_core.backends.http.judge_prompt import JudgeOptions
+from specem_core.backends.http.member import OpenAIHTTPMember
 from specem_core.registry import resolve_tokenizer
 from specem_core.types import Candidate
 

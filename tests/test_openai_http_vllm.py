@@ -16,7 +16,7 @@ from llama_server import LlamaServer, scores_beside_transformers, start_vllm_ser
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.openai_http import OpenAIHTTPMember
+from specem_core.backends.http.member import OpenAIHTTPMember
 from specem_core.registry import resolve_tokenizer
 
 pytestmark = [

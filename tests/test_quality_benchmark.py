@@ -16,9 +16,10 @@ EVAL = ROOT.parent / "shared" / "eval"
 
 def load_quality(monkeypatch: pytest.MonkeyPatch, eval_dir: Path, results: Path) -> Any:
     module = load_script("benchmarks/quality.py", "quality_under_test")
-    monkeypatch.setattr(module, "EVAL_DIR", eval_dir)
-    monkeypatch.setattr(module, "RESULTS", results)
-    monkeypatch.setattr(module, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8})
+    # the study's settings live in its parts (benchmarks/quality_study/): patch them there
+    monkeypatch.setattr(module.tasks, "EVAL_DIR", eval_dir)
+    monkeypatch.setattr(module.tasks, "RESULTS", results)
+    monkeypatch.setattr(module.tasks, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8})
     return module
 
 
@@ -42,18 +43,18 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
         members = {"smollm2": [tiny.member("llama", name="smol")], "qwen": [tiny.member("qwen2", name="qwen")]}
         chosen = members.get(name, [tiny.member("llama", name="smol"), tiny.member("qwen2", name="qwen")])
-        spec = module.CONFIGS[name]
+        spec = module.configs.CONFIGS[name]
         weights = MemberWeights(**spec["weights"]) if "weights" in spec else None
         return SpecEM(chosen, SpecEMConfig(**spec["config"]), weights=weights)
 
-    monkeypatch.setattr(module, "build_engine", build_engine)
+    monkeypatch.setattr(module.runner, "build_engine", build_engine)
     return module
 
 
 def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) -> None:
     quality.run("ifeval", ["smollm2", "default"], limit=None, seed=0)
     quality.run("ifeval", ["seg5"], limit=2, seed=0)
-    path = quality.RESULTS / "ifeval" / "default.jsonl"
+    path = quality.tasks.RESULTS / "ifeval" / "default.jsonl"
     first = path.read_text()
     quality.run("ifeval", ["default"], limit=None, seed=0)  # nothing left to do: nothing appended
     assert path.read_text() == first
@@ -68,8 +69,8 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert "first 2 prompts, every configuration" in text  # seg5 ran on 2: all compared on those 2
     assert "| seg5 | 2 |" in text
     assert "ARC-Easy (4 new tokens): all 3 prompts" in text
-    assert (quality.RESULTS / "summary.md").read_text().strip() == text.strip()
-    assert (quality.RESULTS / "quality.png").stat().st_size > 1000
+    assert (quality.tasks.RESULTS / "summary.md").read_text().strip() == text.strip()
+    assert (quality.tasks.RESULTS / "quality.png").stat().st_size > 1000
 
     quality.run("arc", ["default"], limit=None, seed=0)
     analysis = quality.analyze("qwen")
@@ -81,7 +82,7 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert 0.0 <= float(cells[8]) <= 1.0  # sign test p
     best = quality.analyze()  # against the best member alone on each task
     assert "| arc | default | 3 |" in best
-    assert (quality.RESULTS / "analysis_vs_qwen.md").exists()
+    assert (quality.tasks.RESULTS / "analysis_vs_qwen.md").exists()
     against_smol = quality.analyze("smollm2")
     assert "| ifeval | default | 3 | smollm2 |" in against_smol
     instr = next(line for line in against_smol.splitlines() if line.startswith("| ifeval (instr. loose) | default |"))
@@ -98,14 +99,14 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
 def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
     quality: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    configs = dict(quality.CONFIGS)
+    configs = dict(quality.configs.CONFIGS)
     configs["learned"] = {"members": ["smollm2", "qwen2.5-coder"], "config": {}, "weights": {"learning_rate": 1.0}}
-    monkeypatch.setattr(quality, "CONFIGS", configs)
+    monkeypatch.setattr(quality.configs, "CONFIGS", configs)
     quality.run("gsm8k", ["learned", "qwen"], limit=2, seed=0)
     recs = quality.records("gsm8k", "learned")
     assert len(recs) == 2
     assert set(recs[-1]["weights_after"]) == {"smol", "qwen"}
-    saved = json.loads((quality.RESULTS / "gsm8k" / "learned.weights.json").read_text())
+    saved = json.loads((quality.tasks.RESULTS / "gsm8k" / "learned.weights.json").read_text())
     assert saved["format"] == "specem-member-weights/1"
     assert saved["requests"] <= 2
     figures = quality.measure("gsm8k", recs)
@@ -120,7 +121,7 @@ def test_cost_times_several_configurations_side_by_side_against_one_member(quali
     text = quality.cost("gsm8k", ["default", "seg5"], "qwen", limit=2)
     assert len(text.splitlines()) == 2
     for name in ("default", "seg5"):
-        out = json.loads((quality.RESULTS / "gsm8k" / f"cost_{name}_vs_qwen.json").read_text())
+        out = json.loads((quality.tasks.RESULTS / "gsm8k" / f"cost_{name}_vs_qwen.json").read_text())
         assert out["measured_with"] == ["qwen", "default", "seg5"]  # one run, alternating prompt by prompt
         assert out["prompts"] == 2
         assert [set(row) for row in out["rows"]] == [{"key", "qwen", name}] * 2
@@ -173,7 +174,7 @@ def test_crossfit_prior_comes_from_the_members_alone_on_the_other_half(quality: 
     keys = [quality.prompt_of("gsm8k", r)[0] for r in rows]
     first, second = quality.fold_keys("gsm8k")
     assert (first, second) == ({keys[0]}, set(keys[1:]))
-    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+    (quality.tasks.RESULTS / "gsm8k").mkdir(parents=True)
 
     def alone(name: str, right: bool, upto: int) -> None:
         recs = [
@@ -181,7 +182,7 @@ def test_crossfit_prior_comes_from_the_members_alone_on_the_other_half(quality: 
              "wins": {}, "finish_reason": "stop"}
             for k, r in zip(keys[:upto], rows[:upto], strict=True)
         ]  # fmt: skip
-        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (quality.tasks.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
     alone("1.5b", True, 3)
     alone("0.5b", False, 3)
@@ -200,7 +201,7 @@ def test_crossfit_prior_comes_from_the_members_alone_on_the_other_half(quality: 
 
 def test_drafting_groups_answers_by_how_long_the_best_member_drafted(quality: Any) -> None:
     rows = quality.load_rows("gsm8k", None)
-    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+    (quality.tasks.RESULTS / "gsm8k").mkdir(parents=True)
 
     def write(name: str, answers: list[tuple[bool, list[list[str]]]]) -> None:
         recs = [
@@ -209,7 +210,7 @@ def test_drafting_groups_answers_by_how_long_the_best_member_drafted(quality: An
              "trace": [{"drafters": d} for d in drafters]}
             for row, (right, drafters) in zip(rows, answers, strict=True)
         ]  # fmt: skip
-        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (quality.tasks.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
     write("1.5b", [(True, [["big"]]), (True, [["big"]]), (False, [["big"]])])
     # answer 1: the big member drafted throughout and the ensemble kept its answer; answer 2: it
@@ -226,14 +227,14 @@ def test_drafting_groups_answers_by_how_long_the_best_member_drafted(quality: An
 def test_calibration_size_counts_how_often_a_small_set_trusts_the_best_member(quality: Any) -> None:
     rows = quality.load_rows("gsm8k", None)
     keys = [quality.prompt_of("gsm8k", r)[0] for r in rows]
-    (quality.RESULTS / "gsm8k").mkdir(parents=True)
+    (quality.tasks.RESULTS / "gsm8k").mkdir(parents=True)
 
     def alone(name: str, right: list[bool]) -> None:
         recs = [
             {"key": k, "response": f"so {r['final'] if ok else 'none'}", "seconds": 1.0, "finish_reason": "stop"}
             for k, r, ok in zip(keys, rows, right, strict=True)
         ]
-        (quality.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (quality.tasks.RESULTS / "gsm8k" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
     with pytest.raises(SystemExit, match="alone on gsm8k first"):
         quality.calibration_size("gsm8k", [1, 2])
@@ -241,7 +242,7 @@ def test_calibration_size_counts_how_often_a_small_set_trusts_the_best_member(qu
     alone("0.5b", [False, False, True])
     alone("smol", [False, False, False])
     text = quality.calibration_size("gsm8k", [1, 2], draws=3000)
-    data = json.loads((quality.RESULTS / "gsm8k" / "calibration_size.json").read_text())
+    data = json.loads((quality.tasks.RESULTS / "gsm8k" / "calibration_size.json").read_text())
     assert data["best"] == "1.5b"
     by_n = {r["n"]: r for r in data["rows"]}
     # one example: the 1.5B is right on 2 of 3 (trusted), on the third the 0.5B is first
@@ -253,7 +254,7 @@ def test_calibration_size_counts_how_often_a_small_set_trusts_the_best_member(qu
     assert by_n[3] == pytest.approx({"n": 3, "draws": 1, "trusts_best": 1.0, "separated": 0.0, **shares})
     assert "| 3 | 1 | 100% | 0% | 0.66 / 0.33 / 0.01 |" in text
 
-    calibrated = quality.RESULTS / "calibration.jsonl"
+    calibrated = quality.tasks.RESULTS / "calibration.jsonl"
     replies = [f"so {rows[0]['final']}", "so none", "so none"]  # the second differs from the 1.5B's recorded one
     calibrated.write_text(
         "".join(
@@ -273,7 +274,7 @@ def test_prior_replay_decides_round_one_again_under_a_fixed_prior(quality: Any) 
 
     rows = quality.load_rows("arc", None)
     keys = [r["id"] for r in rows]  # answers A, C, A; folds: {first} and {second, third}
-    (quality.RESULTS / "arc").mkdir(parents=True)
+    (quality.tasks.RESULTS / "arc").mkdir(parents=True)
     for fold in (0, 1):  # scores 50, 25 (chance on four options) and 26, as 1 + score in %
         prior = {"big": 51.0, "small": 26.0, "tiny": 27.0}
         MemberWeights(prior, min_share=0.1).save(quality.state_path("arc", "trio-v6", fold))
@@ -293,12 +294,12 @@ def test_prior_replay_decides_round_one_again_under_a_fixed_prior(quality: Any) 
         answer(keys[2], [("big", "The correct", False), ("small", "A", True), ("tiny", "D", True)],
                [[0, 1, 0], [0, 20, 0], [0, 0, 5]], "small"),
     ]  # fmt: skip
-    (quality.RESULTS / "arc" / "trio-v6.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (quality.tasks.RESULTS / "arc" / "trio-v6.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     alone = [{"key": k, "response": reply, "seconds": 1.0} for k, reply in zip(keys, ["A", "C", "B"], strict=True)]
-    (quality.RESULTS / "arc" / "1.5b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alone))
+    (quality.tasks.RESULTS / "arc" / "1.5b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alone))
 
     table = quality.prior_replay("arc", "trio-v6", "1.5b")
-    data = json.loads((quality.RESULTS / "arc" / "trio-v6.prior_replay.json").read_text())
+    data = json.loads((quality.tasks.RESULTS / "arc" / "trio-v6.prior_replay.json").read_text())
     served, corrected = data["modes"]["served"], data["modes"]["chance-corrected"]
     # as served (shares 0.49 / 0.25 / 0.26) the vote comes out as recorded: one lost, one gained
     assert served["counts"] == {"same": 3, "known": 0, "unknown": 0}

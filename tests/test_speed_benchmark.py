@@ -51,7 +51,7 @@ def test_overlapping_calls_are_flagged_on_transformers(speed: Any) -> None:
 
 
 def test_calls_add_up_to_the_answer_on_llama_cpp(speed: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
     from specem_core.errors import ModelNotFoundError
     from specem_core.registry import load_member
 

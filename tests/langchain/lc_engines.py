@@ -17,9 +17,9 @@ REAL_MAX_TOKENS = 40
 
 @functools.cache
 def real_engine() -> SpecEM:
-    from specem_core.registry import default_members
+    from specem_core.presets import preset_members
 
-    return SpecEM(default_members(), SpecEMConfig(max_new_tokens=REAL_MAX_TOKENS))
+    return SpecEM(preset_members("paper"), SpecEMConfig(max_new_tokens=REAL_MAX_TOKENS))
 
 
 @functools.cache

@@ -43,7 +43,7 @@ class TestChatSpecEMStandardUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"model": "specem", "members": ["smollm2", "qwen2.5-coder"]}
+        return {"model": "paper"}  # the SmolLM2 + Qwen-0.5B preset, by name: nothing is loaded
 
     @property
     def supports_json_mode(self) -> bool:
@@ -95,9 +95,9 @@ def test_construction_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a model was loaded at construction")
 
     monkeypatch.setattr(registry, "load_member", boom)
-    monkeypatch.setattr(registry, "default_members", boom)
     llm = ChatSpecEM(members=["smollm2", "qwen2.5-coder"], temperature=0.2, segment_len=6)
-    assert ChatSpecEM().member_names == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert ChatSpecEM().member_names == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert ChatSpecEM(preset="fast").member_names == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
     assert llm._identifying_params["members"] == ["smollm2", "qwen2.5-coder"]
     assert llm._identifying_params["segment_len"] == 6
     assert llm._llm_type == "specem-chat"
@@ -126,11 +126,11 @@ def test_engine_is_built_once_and_shared_between_threads(monkeypatch: pytest.Mon
 
 
 def test_ls_params_and_model_override() -> None:
-    llm = ChatSpecEM(model="my-ensemble", temperature=0.5, max_tokens=9, stop=["x"])
+    llm = ChatSpecEM(model="fast", temperature=0.5, max_tokens=9, stop=["x"])
     params = llm._get_ls_params()
     assert params == {
         "ls_provider": "specem",
-        "ls_model_name": "my-ensemble",
+        "ls_model_name": "fast",
         "ls_model_type": "chat",
         "ls_temperature": 0.5,
         "ls_max_tokens": 9,
@@ -290,7 +290,7 @@ def test_streaming_field_and_stop_and_per_call_overrides() -> None:
     assert ChatSpecEM(engine=llm.engine, stop=["you"]).invoke("hi").content == "Hello there, how are "
     assert ChatSpecEM(engine=llm.engine, streaming=True, max_tokens=2).invoke("hi").content == "Hello th"
     assert llm.invoke("hi", max_tokens=1).response_metadata["finish_reason"] == "length"
-    with pytest.raises(ValueError, match="unknown argument 'warp'"):
+    with pytest.raises(ValueError, match="ChatSpecEM call got an unknown option 'warp'"):
         llm.invoke("hi", warp=9)
 
 

@@ -22,11 +22,11 @@ def tiny_engine() -> Any:
 
 
 @pytest.fixture(scope="session")
-def real_engine(default_members: list[Any]) -> Any:
+def real_engine(paper_members: list[Any]) -> Any:
     """The real default pair (SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct), loaded once."""
     from specem_core import SpecEM, SpecEMConfig
 
-    return SpecEM(default_members, SpecEMConfig(max_new_tokens=48, segment_len=8))
+    return SpecEM(paper_members, SpecEMConfig(max_new_tokens=48, segment_len=8))
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def test_construction_is_lazy_and_the_engine_is_built_once_across_threads(monkey
 def test_bad_construction() -> None:
     with pytest.raises(TypeError, match=r"engine must be a specem_core\.SpecEM"):
         SpecEMLLM(engine=object())  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="unknown SpecEM option"):
+    with pytest.raises(ConfigError, match="unknown option 'segment_length'; did you mean segment_len"):
         SpecEMLLM(engine=scripted_engine(), engine_options={"segment_length": 3})
     with pytest.raises(ValueError, match="greater than 0"):
         SpecEMLLM(max_new_tokens=0)
@@ -130,7 +130,7 @@ def test_stop_strings_and_per_call_options() -> None:
     assert "".join(r.delta or "" for r in llm.stream_chat(user(), stop=["42"])) == "The answer is "
     capped = SpecEMLLM(engine=scripted_engine([("w w w ", False)])).chat(user(), max_tokens=5)
     assert capped.additional_kwargs["finish_reason"] == "length"
-    with pytest.raises(TypeError, match=r"unexpected keyword argument.*bogus"):
+    with pytest.raises(ConfigError, match=r"SpecEMLLM call got an unknown option 'bogus'"):
         llm.chat(user(), bogus=1)
     with pytest.raises(ConfigError, match="temperature"):
         llm.chat(user(), temperature=-1)
@@ -255,11 +255,41 @@ def test_tool_choice_without_tools_is_an_error() -> None:
 
 
 def test_serializes_without_the_engine() -> None:
-    llm = SpecEMLLM(engine=scripted_engine(), max_new_tokens=8, members=["smollm2"])
+    llm = SpecEMLLM(engine=scripted_engine(), max_new_tokens=8)
     data = llm.to_dict()
     assert data["class_name"] == "SpecEM_LLM"
-    assert data["max_new_tokens"] == 8
+    assert data["max_tokens"] == 8
     assert "engine" not in data
+    assert SpecEMLLM(preset="fast", top_p=0.5).to_dict()["preset"] == "fast"
+
+
+def test_parity_with_chat_specem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Member objects, member_kwargs, a preset, and the sampling fields all reach the engine."""
+    import specem_core.registry as registry
+
+    loaded: list[tuple[str, dict[str, Any]]] = []
+
+    def fake_load(spec: str, **kwargs: Any) -> ScriptedMember:
+        loaded.append((spec, kwargs))
+        return ScriptedMember(spec, drafts=[("Hi.", True)])
+
+    monkeypatch.setattr(registry, "load_member", fake_load)
+    own = ScriptedMember("mine", drafts=[("Hi.", True)])
+    llm = SpecEMLLM(preset="fast", members=[own, "other"], member_kwargs={"n_ctx": 512}, backend="llamacpp", seed=4)
+    assert [m.name for m in llm.engine.members] == ["mine", "other"]
+    assert loaded == [("other", {"backend": "llamacpp", "device": None, "n_ctx": 512})]
+    assert llm.engine.config.trusted_opening_rounds == 1  # the preset's settings
+    assert llm._config_overrides({})["seed"] == 4
+    loaded.clear()
+    preset_llm = SpecEMLLM(model="fast")
+    assert [m.name for m in preset_llm.engine.members] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
+    assert preset_llm.engine.weights is not None
+    with pytest.raises(ConfigError, match="takes no preset= or members="):
+        SpecEMLLM(engine=scripted_engine(), preset="fast")
+    with pytest.raises(ConfigError, match="disagree"):
+        SpecEMLLM(model="fast", preset="quality")
+    with pytest.raises(ConfigError, match="member 0 is a int"):
+        SpecEMLLM(members=[3])
 
 
 def test_member_weights_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:

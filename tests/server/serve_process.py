@@ -104,12 +104,13 @@ def start_serve(
     startup_timeout: float = 240.0,
     python: str | None = None,
 ) -> ServeProcess:
-    """Start ``python -m specem_core.cli serve --port 0 ARGS`` and wait until ``/health`` answers.
+    """Start ``python -m specem_integrations.cli serve --port 0 ARGS`` and wait until ``/health`` answers.
 
     With ``api_key`` the key is passed through the environment variable ``SPECEM_TEST_SERVER_KEY``
     (``--api-key-env``), never on the command line.
     """
-    cmd = [python or sys.executable, "-m", "specem_core.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args]
+    cmd = [python or sys.executable, "-m", "specem_integrations.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+    cmd += args
     child_env = dict(os.environ)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from specem_core.cli import main
+from specem_integrations.cli import main
 from specem_integrations.server._admission import Admission, QueueFullError
 
 

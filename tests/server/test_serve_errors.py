@@ -13,11 +13,11 @@ from serve_process import ServeProcess, serving
 OK_MESSAGES = [{"role": "user", "content": "Say hi."}]
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 
-BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
-    # (id, body: dict, or bytes sent as is; status; param; code)
+BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
+    # (id, body: dict, or bytes sent as is; status; param; code: never null, as the README's table promises)
     ("malformed-json", b'{"model": "specem", "messages": [', 400, None, "invalid_json"),
     ("empty-body", b"", 400, None, "invalid_json"),
-    ("not-an-object", b"[1, 2]", 400, None, None),
+    ("not-an-object", b"[1, 2]", 400, None, "invalid_json"),
     ("missing-messages", {"model": "specem"}, 400, "messages", "missing_required_parameter"),
     ("max-tokens-string", {"messages": OK_MESSAGES, "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
     ("max-tokens-zero", {"messages": OK_MESSAGES, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
@@ -27,8 +27,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("stop-number", {"messages": OK_MESSAGES, "stop": 5}, 400, "stop", "invalid_type"),
     ("content-number", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_type"),
     ("bad-role", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", "invalid_type"),
-    ("empty-messages", {"messages": []}, 400, "messages", None),
-    ("empty-prompt", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages", None),
+    ("empty-messages", {"messages": []}, 400, "messages", "invalid_value"),
+    ("empty-prompt", {"messages": [{"role": "user", "content": "  "}]}, 400, "messages", "invalid_value"),
     (
         "image-content",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
@@ -59,19 +59,37 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
         {"messages": OK_MESSAGES, "tools": [TOOL], "tool_choice": "nope"},
         400,
         "tool_choice",
-        None,
+        "invalid_tools",
     ),
-    ("tool-choice-without-tools", {"messages": OK_MESSAGES, "tool_choice": "required"}, 400, "tool_choice", None),
+    (
+        "tool-choice-without-tools",
+        {"messages": OK_MESSAGES, "tool_choice": "required"},
+        400,
+        "tool_choice",
+        "invalid_tools",
+    ),
     (
         "tools-and-format",
         {"messages": OK_MESSAGES, "tools": [TOOL], "response_format": {"type": "json_object"}},
         400,
         "response_format",
-        None,
+        "invalid_tools",
     ),
-    ("bad-format", {"messages": OK_MESSAGES, "response_format": {"type": "yaml"}}, 400, "response_format", None),
+    (
+        "bad-format",
+        {"messages": OK_MESSAGES, "response_format": {"type": "yaml"}},
+        400,
+        "response_format",
+        "invalid_value",
+    ),
     ("specem-unknown", {"messages": OK_MESSAGES, "specem": {"turbo": True}}, 400, "specem.turbo", "unknown_parameter"),
-    ("segment-len-0", {"messages": OK_MESSAGES, "specem": {"segment_len": 0}}, 400, "specem.segment_len", None),
+    (
+        "segment-len-0",
+        {"messages": OK_MESSAGES, "specem": {"segment_len": 0}},
+        400,
+        "specem.segment_len",
+        "invalid_value",
+    ),
     ("unknown-model", {"model": "gpt-4o", "messages": OK_MESSAGES}, 404, "model", "model_not_found"),
 ]
 

@@ -23,7 +23,9 @@ character offsets (:mod:`specem_core.backends.http.alignment`), and the mean log
 those tokens is the score. Servers expose log-probs, not raw logits, so an HTTP verifier's row is
 ``softmax(mean log-probs)`` over the candidates (reported as ``CandidateScore.probability``;
 ``mean_logprob`` is filled too, ``mean_logit`` is ``None``). ``verify_mode="judge"`` asks the
-model to pick the best labelled candidate instead (:mod:`specem_core.backends.http.judge`).
+model to pick the best labelled candidate instead (:func:`judge_scores`, prompts in
+:mod:`specem_core.backends.http.judge_prompt`; :class:`~specem_core.backends.http.judge.APIJudgeMember`
+is a member that only judges).
 
 **Probing.** Before the first request (or on :meth:`OpenAIHTTPMember.probe`) each server is
 probed with a prompt in the member's own format and a known continuation (counting): whether echo
@@ -43,12 +45,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -82,6 +85,15 @@ from specem_core.backends.http.errors import (
     RequestCancelledError,
     ServerResponseError,
 )
+from specem_core.backends.http.judge_prompt import (
+    LABELS,
+    JudgeOptions,
+    _nonce,
+    addresses_judge,
+    judge_messages,
+    judge_orders,
+    label_probabilities,
+)
 from specem_core.chat_format import (
     PLAIN_TURN_STOPS,
     ChatFormat,
@@ -93,9 +105,6 @@ from specem_core.chat_format import (
 from specem_core.errors import ContextWindowError, ModelNotFoundError
 from specem_core.scoring import softmax
 from specem_core.types import Candidate, CandidateScore, Draft
-
-if TYPE_CHECKING:
-    from specem_core.backends.http.judge import JudgeOptions
 
 T = TypeVar("T")
 
@@ -321,7 +330,7 @@ class OpenAIHTTPMember:
         context_window: tokens the server accepts (default: what ``/v1/models`` reports).
         capabilities: skip probing and use these.
         top_logprobs: how many alternatives to request per position (shift correction, judge).
-        judge: options of the judge mode (:class:`specem_core.backends.http.judge.JudgeOptions`).
+        judge: options of the judge mode (:class:`specem_core.backends.http.judge_prompt.JudgeOptions`).
         extra_body: fields merged into every request body (server-specific knobs).
         strict_scoring: raise instead of bounding a log-prob a shifted server did not list.
         transport: ``httpx`` transport (``httpx.MockTransport`` in tests).
@@ -391,8 +400,6 @@ class OpenAIHTTPMember:
         if self.chat is not None and not self.chat.uses_template:
             self.chat = None if isinstance(tokenizer, _JinjaTemplate) else self.chat
         self.end_of_turn = end_of_turn or (_end_of_turn_token(self.chat, tokenizer) if self.chat else None)
-        from specem_core.backends.http.judge import JudgeOptions
-
         self.judge_options: JudgeOptions = judge if judge is not None else JudgeOptions()
         self._caps = capabilities
         self._kind: ServerKind = "generic"
@@ -718,44 +725,6 @@ class OpenAIHTTPMember:
         return content.lstrip().startswith("11")
 
 
-HTTP_SPEC_PREFIXES = ("openai:", "judge:")
-
-
-def is_http_spec(spec: str) -> bool:
-    """True for member specs of the form ``openai:<base_url>[#model]`` / ``judge:<base_url>#model``."""
-    return spec.strip().startswith(HTTP_SPEC_PREFIXES)
-
-
-def member_from_spec(spec: str, *, api_key_env: str | None = None, **kwargs: Any) -> OpenAIHTTPMember:
-    """A member from a one-line spec (for the CLI's ``--model`` and :func:`~specem_core.load_member`).
-
-    * ``openai:http://gpu-1:8000/v1#Qwen/Qwen2.5-7B-Instruct`` — an OpenAI-compatible server
-      (drafts and verifies; the model id after ``#`` is optional).
-    * ``judge:https://api.openai.com/v1#gpt-4o-mini`` — a chat model as a judge only.
-
-    The API key is never part of the spec: pass ``api_key=`` or name an environment variable with
-    ``api_key_env=`` (it is read only when named, so a key is never sent to a server by accident).
-
-    Raises:
-        ModelNotFoundError: the spec is not of this form.
-    """
-    text = spec.strip()
-    kind, _, rest = text.partition(":")
-    if kind not in ("openai", "judge") or not rest.startswith(("http://", "https://")):
-        raise ModelNotFoundError(f"not an HTTP member spec: {spec!r} (use openai:<base_url>#<model>)")
-    base_url, _, model = rest.partition("#")
-    if api_key_env is not None:
-        value = os.environ.get(api_key_env)
-        if not value:
-            raise ModelNotFoundError(f"environment variable {api_key_env} (the API key) is not set")
-        kwargs.setdefault("api_key", SecretStr(value))
-    if kind == "judge":
-        from specem_core.backends.http.judge import APIJudgeMember
-
-        return APIJudgeMember(base_url, model or None, **kwargs)
-    return OpenAIHTTPMember(base_url, model or None, **kwargs)
-
-
 def _fatal(exc: HTTPMemberError) -> bool:
     """Probe failures that say nothing about features: unreachable, auth, rate limit, server error."""
     return exc.status is None or exc.status >= 500 or exc.status in (401, 403, 407, 429)
@@ -803,6 +772,63 @@ def _chat_top_logprobs(body: Any) -> list[tuple[str, float]] | None:
     if isinstance(token, str) and value is not None and all(t != token for t, _ in out):
         out.append((token, value))
     return out
+
+
+# -- the judge verify mode ------------------------------------------------------------------
+async def judge_scores(
+    member: OpenAIHTTPMember,
+    messages: Sequence[Mapping[str, Any]],
+    committed: str,
+    candidates: Sequence[Candidate],
+    score_eos: bool,
+    round_index: int,
+) -> list[CandidateScore]:
+    """One judge row over ``candidates`` (see :mod:`specem_core.backends.http.judge_prompt`)."""
+    n = len(candidates)
+    if n == 1:
+        return [CandidateScore(mean_logprob=0.0, probability=1.0)]
+    if n > len(LABELS):
+        raise HTTPMemberError(f"a judge can compare at most {len(LABELS)} candidates, got {n}")
+    options = member.judge_options
+    seed = None if options.seed is None else options.seed + round_index
+    orders = judge_orders(n, options.permutations, random.Random(seed))
+    nonce = _nonce([committed, *(c.text for c in candidates)])
+
+    async def ask(order: list[int]) -> list[float] | None:
+        shown = [(candidates[i].text, candidates[i].ended and score_eos) for i in order]
+        payload = member.body(
+            messages=judge_messages(messages, committed, shown, nonce=nonce, options=options),
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=options.top_logprobs,
+            **member.greedy_body(),
+        )
+        answer = await member.client.post("/chat/completions", payload)
+        alternatives = _chat_top_logprobs(answer)
+        if alternatives is None:
+            raise ServerResponseError("the judge's answer carries no logprobs")
+        member.stats.judge_calls += 1
+        probs = label_probabilities(alternatives, n)
+        if probs is None:
+            member.stats.judge_abstentions += 1
+            log.info("%s: judge answer put no mass on any label; abstaining for this order", member.name)
+            return None
+        by_candidate = [0.0] * n
+        for label_index, cand_index in enumerate(order):
+            by_candidate[cand_index] = probs[label_index]
+        return by_candidate
+
+    rows = [r for r in await _gather([ask(o) for o in orders]) if r is not None]
+    avg = [sum(r[i] for r in rows) / len(rows) for i in range(n)] if rows else [1.0 / n] * n
+    if options.flag_injections:
+        flagged = [addresses_judge(c.text) for c in candidates]
+        if any(flagged) and not all(flagged):
+            member.stats.flagged_candidates += sum(flagged)
+            log.info("%s: %d candidate(s) addressed the judge and forfeit its vote", member.name, sum(flagged))
+            avg = [0.0 if f else p for p, f in zip(avg, flagged, strict=True)]
+    total = sum(avg)
+    probs = [p / total for p in avg] if total > 0 else [1.0 / n] * n
+    return [CandidateScore(mean_logprob=math.log(max(p, 1e-12)), probability=p) for p in probs]
 
 
 # -- the session ----------------------------------------------------------------------------
@@ -892,17 +918,22 @@ class OpenAIHTTPSession(MemberSession):
 
     async def adraft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
         """Async :meth:`draft` (from any event loop)."""
-        return await run_async(self.adraft_core(max_tokens, sampling), track=self._inflight)
+        return await run_async(self._open(self.adraft_core(max_tokens, sampling)), track=self._inflight)
 
     async def ascore(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         """Async :meth:`score` (from any event loop)."""
-        return await run_async(self.ascore_core(candidates, score_eos=score_eos), track=self._inflight)
+        return await run_async(self._open(self.ascore_core(candidates, score_eos=score_eos)), track=self._inflight)
 
     def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        return run_sync(self._open(coro), track=self._inflight)
+
+    def _open(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coro``, refused when the session is closed: a closed session sends no request, from
+        the sync calls and the async ones alike."""
         if self._closed:
             coro.close()
             raise RequestCancelledError("the session is closed")
-        return run_sync(coro, track=self._inflight)
+        return coro
 
     # -- drafting ---------------------------------------------------------------------------
     async def adraft_core(self, max_tokens: int, sampling: SamplingParams) -> Draft:
@@ -971,8 +1002,6 @@ class OpenAIHTTPSession(MemberSession):
             if not candidates:
                 return []
             if self.verify_mode == "judge":
-                from specem_core.backends.http.judge import judge_scores
-
                 return await judge_scores(self._m, self._messages, self._text, candidates, score_eos, self._round)
             if self.verify_mode != "logprobs":
                 raise CapabilityError(f"{self._m.name} cannot verify")

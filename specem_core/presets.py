@@ -1,0 +1,345 @@
+"""Named presets: measured SpecEM configurations (members, settings and a member-weights prior).
+
+A preset is what the quality study recommends, packaged so that one name gives the whole thing on
+every surface: ``SpecEM.from_preset("quality")``, ``ChatSpecEM(preset="quality")``,
+``SpecEMLLM(preset="quality")``, ``specem chat --preset quality``, ``specem serve --preset quality``.
+``specem presets`` lists them with what they measured.
+
+Each preset holds
+- its members (packaged model names, which resolve on any backend: see :mod:`specem_core.registry`);
+- the :class:`~specem_core.config.SpecEMConfig` fields it changes;
+- optionally a member-weights prior shipped as package data (``specem_core/data/priors/NAME.json``,
+  the format ``specem calibrate`` writes), measured on labelled examples with each member alone;
+- the results it measured (``specem_core/data/preset_results.json``, written from
+  ``benchmarks/results/quality/summary.json`` by ``python benchmarks/quality.py presets``).
+
+Explicit arguments override the preset's: config fields replace the preset's fields; ``members``
+replaces its members (and then drops its prior, which names the preset's members only, unless
+``weights`` is given too); ``weights`` replaces its prior (``False``: no member weights).
+
+Example:
+    >>> from specem_core.presets import get_preset
+    >>> get_preset("quality").members
+    ('qwen2.5-coder-1.5b-instruct', 'qwen2.5-coder-0.5b-instruct')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
+from typing import TYPE_CHECKING, Any
+
+from specem_core.config import SpecEMConfig
+from specem_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specem_core.backends.base import Member
+    from specem_core.engine import SpecEM
+    from specem_core.weights import MemberWeights
+
+_RECOMMENDED: dict[str, Any] = {
+    # the study's v7 settings (README "Quality"): scale-free rows, Model Exit that keeps the member
+    # the prior trusts and stops a drafter that keeps agreeing with it, the trusted member's opening
+    "normalization": "softmax",
+    "model_exit": True,
+    "exit_temperature": 0.2,
+    "exit_keep_trusted": True,
+    "exit_agreement_rounds": 2,
+    "trusted_opening_rounds": 1,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named, measured configuration."""
+
+    name: str
+    description: str
+    members: tuple[str, ...]
+    """Member specs (packaged model names), in tie-break order."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """:class:`SpecEMConfig` fields the preset sets (the others keep their defaults)."""
+    prior: str | None = None
+    """Name of the member-weights prior shipped as package data (``data/priors/<prior>.json``);
+    ``None``: no member weights (the paper's per-request rule)."""
+    study_name: str | None = None
+    """The configuration's name in the quality study's records, where it differs from ``name``."""
+
+    def spec(self) -> SpecEMConfig:
+        """The preset's :class:`SpecEMConfig` (validated)."""
+        return SpecEMConfig(**dict(self.config))
+
+    def weights(self) -> MemberWeights | None:
+        """A fresh :class:`~specem_core.weights.MemberWeights` with the shipped prior (``None``
+        without one). Each call gives a new object: what one engine learns stays its own.
+
+        Raises:
+            ConfigError: the prior file is missing or not a member-weights file.
+        """
+        if self.prior is None:
+            return None
+        from specem_core.weights import MemberWeights
+
+        data = _read_json(f"priors/{self.prior}.json", what=f"the prior of preset {self.name!r}")
+        weights = MemberWeights.from_dict(data)
+        missing = sorted(set(self.members) - set(weights.prior))
+        if missing:
+            raise ConfigError(f"the prior of preset {self.name!r} has no entry for member(s) {', '.join(missing)}")
+        return weights
+
+    def calibration(self) -> dict[str, Any]:
+        """Where the shipped prior comes from (data sets, examples, scores); ``{}`` without one."""
+        if self.prior is None:
+            return {}
+        data = _read_json(f"priors/{self.prior}.json", what=f"the prior of preset {self.name!r}")
+        return dict(data.get("calibration") or {})
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """What the preset measured: ``{task: {metric: value, "n": n, "best_member": value, ...}}``."""
+        table = _read_json("preset_results.json", what="the presets' measured results")
+        return dict(table.get(self.name) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON, as ``specem presets --json`` prints it."""
+        return {
+            "name": self.name,
+            "default": self.name == DEFAULT_PRESET,
+            "description": self.description,
+            "members": list(self.members),
+            "config": dict(self.config),
+            "prior": self.calibration() or None,
+            "results": self.results(),
+        }
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            name="quality",
+            description="Qwen2.5-Coder-1.5B + 0.5B with the study's recommended (v7) settings and a prior measured "
+            "on labelled dev examples",
+            members=("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+            config=_RECOMMENDED,
+            prior="quality",
+        ),
+        Preset(
+            name="fast",
+            description="Qwen2.5-Coder-0.5B + SmolLM2-135M with the recommended settings and a measured prior: "
+            "small and quick (not yet measured on the dev sets)",
+            members=("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"),
+            config=_RECOMMENDED,
+            prior="fast",
+        ),
+        Preset(
+            name="paper",
+            description="SmolLM2-135M + Qwen2.5-Coder-0.5B under the paper's settings (sum-normalized logits, "
+            "per-request Hedge, no Model Exit): the first default; below its better member on IFEval dev at 64 "
+            "tokens (22.5 against 25.8)",
+            members=("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"),
+            study_name="default",
+        ),
+    )
+}
+"""Every preset by name."""
+
+DEFAULT_PRESET = "quality"
+"""What ``specem chat``, ``specem serve``, ``ChatSpecEM()``, ``SpecEMLLM()`` and
+:func:`default_engine` run with no members given. The goal is a preset at or above its best member
+on IFEval dev (120 prompts) and GSM8K dev (200 problems); ``quality`` as shipped measured 35.0
+against 31.7 on IFEval and 45.0 against 47.5 on GSM8K (neither difference significant; the quality
+report explains the GSM8K gap), the best measured of the presets (``specem presets``)."""
+
+
+def preset_names() -> list[str]:
+    """The presets' names, the default first."""
+    return [DEFAULT_PRESET, *(n for n in PRESETS if n != DEFAULT_PRESET)]
+
+
+def get_preset(name: str | Preset | None = None) -> Preset:
+    """The preset called ``name`` (``None``: the default).
+
+    Raises:
+        ConfigError: no preset has that name (the message lists them).
+    """
+    if isinstance(name, Preset):
+        return name
+    if name is None:
+        return PRESETS[DEFAULT_PRESET]
+    if not isinstance(name, str):
+        raise ConfigError(f"a preset is named by a string; got {type(name).__name__}")
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: use one of {', '.join(preset_names())}")
+    return PRESETS[key]
+
+
+def check_model_name(model: str | None, preset: str | None, *, where: str) -> None:
+    """``model=`` in the LangChain and LlamaIndex classes names a preset (the same as ``preset=``);
+    anything else is an error, never a silent label.
+
+    Raises:
+        ConfigError: ``model`` names no preset, or another preset than ``preset``.
+    """
+    if model is None:
+        return
+    if model.strip().lower() not in PRESETS:
+        raise ConfigError(
+            f"{where}: model={model!r} is not a preset ({', '.join(preset_names())}); "
+            "give the ensemble's models as members=[...]"
+        )
+    if preset is not None and preset.strip().lower() != model.strip().lower():
+        raise ConfigError(f"{where}: model={model!r} and preset={preset!r} disagree")
+
+
+def preset_members(
+    name: str | Preset | None = None,
+    *,
+    backend: str | None = None,
+    device: str | None = None,
+    **member_kwargs: Any,
+) -> list[Member]:
+    """The preset's members, loaded (``backend``, ``device`` and other keyword arguments go to
+    :func:`specem_core.registry.load_member`)."""
+    from specem_core.registry import load_member
+
+    return [load_member(spec, backend=backend, device=device, **member_kwargs) for spec in get_preset(name).members]
+
+
+def resolve(name: str | Preset | None, *, members_given: bool) -> Preset | None:
+    """The preset a surface runs: ``name``'s; with no name, the default preset when no members
+    are given, else none (the members under :class:`SpecEMConfig`'s defaults). Every entry point
+    (CLI, Python, LangChain, LlamaIndex, server) decides with this one rule.
+
+    Raises:
+        ConfigError: an unknown preset name.
+    """
+    if name is None:
+        return None if members_given else get_preset(None)
+    return get_preset(name)
+
+
+def build_engine(
+    name: str | Preset | None = None,
+    *,
+    members: Sequence[Member | str | os.PathLike[str]] | None = None,
+    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
+    backend: str | None = None,
+    device: str | None = None,
+    member_kwargs: Mapping[str, Any] | None = None,
+    api_key: Any = None,
+    **config: Any,
+) -> SpecEM:
+    """A :class:`~specem_core.engine.SpecEM` from a preset, with explicit arguments overriding it.
+
+    Args:
+        name: the preset; ``None``: the default preset, or none at all when ``members`` is given
+            (:func:`resolve`).
+        members: replace the preset's members (specs or :class:`Member` objects); the preset's
+            prior is then dropped unless ``weights`` is given.
+        weights: member weights instead of the preset's prior: a ``MemberWeights``, the path of a
+            state file (created with the preset's prior when it does not exist yet), ``False`` for
+            none; ``None``/``True``: the preset's prior.
+        backend, device, member_kwargs: how members given by name are loaded
+            (:func:`specem_core.registry.load_member`).
+        api_key: the API key (a ``str`` or pydantic ``SecretStr``) of the members that are
+            servers (``openai:`` / ``judge:`` specs); local members have none.
+        **config: :class:`SpecEMConfig` fields, over the preset's (``None`` values are ignored).
+
+    Raises:
+        ConfigError: an unknown preset or config field, or an invalid value (before any model loads).
+    """
+    from specem_core.engine import SpecEM
+    from specem_core.registry import HTTP_PREFIXES, load_member
+    from specem_core.weights import MemberWeights
+
+    if members is not None and not members:
+        raise ConfigError("members is empty: give at least one member, or None for the preset's")
+    preset = resolve(name, members_given=members is not None)
+    spec = config_of(preset, **config)  # validates before anything loads
+    prior = preset.weights() if preset is not None and members is None else None
+    chosen: Any
+    if weights is None or weights is True:
+        chosen = prior
+    elif weights is False:
+        chosen = None
+    elif isinstance(weights, MemberWeights):
+        chosen = weights
+    elif os.path.exists(weights):
+        chosen = MemberWeights.open(weights)
+    else:  # a new state file starts from the preset's prior
+        chosen = MemberWeights.open(weights, prior.prior if prior is not None else None, **_options(prior))
+    options: dict[str, Any] = {"backend": backend, "device": device, **dict(member_kwargs or {})}
+    specs: Sequence[Any] = preset.members if members is None and preset is not None else members or ()
+
+    def load(member: Any) -> Any:
+        if not isinstance(member, str | os.PathLike):
+            return member  # a ready member
+        name = os.fspath(member)
+        if api_key is not None and name.strip().startswith(HTTP_PREFIXES):
+            return load_member(name, **options, api_key=api_key)
+        return load_member(name, **options)
+
+    return SpecEM([load(m) for m in specs], spec, weights=chosen)
+
+
+def config_of(preset: Preset | None, **config: Any) -> SpecEMConfig:
+    """The preset's :class:`SpecEMConfig` with ``config`` fields over it (``None`` values ignored).
+
+    Raises:
+        ConfigError: an unknown field or an invalid value.
+    """
+    base = preset.spec() if preset is not None else SpecEMConfig()
+    return base.replace(**config)
+
+
+def _options(weights: MemberWeights | None) -> dict[str, float]:
+    """The learning options of a shipped prior, for a state file started from it."""
+    if weights is None:
+        return {}
+    return {
+        "learning_rate": weights.learning_rate,
+        "max_log_ratio": weights.max_log_ratio,
+        "min_share": weights.min_share,
+    }
+
+
+def default_members(**kwargs: Any) -> list[Member]:
+    """The default preset's members (keyword arguments, ``backend=`` included, go to
+    :func:`specem_core.registry.load_member`)."""
+    return preset_members(DEFAULT_PRESET, **kwargs)
+
+
+def default_engine(*, backend: str | None = None, **config: Any) -> SpecEM:
+    """The default preset's engine on ``backend`` (default: auto); the other keyword arguments are
+    config fields over the preset's."""
+    return build_engine(DEFAULT_PRESET, backend=backend, **config)
+
+
+def _data_dir() -> Traversable:
+    """Where the package data lives (``specem_core/data``; a zip import works too)."""
+    return resources.files("specem_core").joinpath("data")
+
+
+def _read_json(relative: str, *, what: str) -> dict[str, Any]:
+    """A JSON object shipped in ``specem_core/data``.
+
+    Raises:
+        ConfigError: the file is missing or is not a JSON object (a broken install).
+    """
+    target = _data_dir().joinpath(*relative.split("/"))
+    try:
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{what} is missing from the package (specem_core/data/{relative}): reinstall specem"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what} cannot be read (specem_core/data/{relative}): {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} is not a JSON object (specem_core/data/{relative})")
+    return data

@@ -1,0 +1,321 @@
+"""One request's output plan: tools, prefill and constraint in; answer text and calls out.
+
+* :class:`OutputPlan` puts it together for one request: which tools to render, a *prefill* (text
+  committed before the first round) that forces a call for ``tool_choice="required"`` or a named
+  tool, the constraint, and the post-processing of stream events.
+* ``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema", ...}``) gets the
+  same treatment for plain JSON answers: an instruction, a ``{`` prefill and a schema constraint.
+* :func:`visible_content` / :class:`ContentStream`: the answer text that is safe to stream (never
+  tool-call markup).
+* :func:`answered_calls` / :func:`repeats_answered_calls`: the calls a conversation already answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specem_core.errors import InputError
+from specem_core.tools.constraints import JSONConstraint, PlainTextConstraint, ToolCallConstraint
+from specem_core.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
+from specem_core.tools.schema import ToolChoice, _resolve, _types, normalize_tool_choice, normalize_tools
+from specem_core.types import GenerationResult, StreamEvent, ToolCall
+
+
+# -- streaming ----------------------------------------------------------------------------------
+def _held_tag_prefix(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of the open tag."""
+    for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def visible_content(text: str) -> str:
+    """The answer text that is certain not to be tool-call markup, for streaming.
+
+    Text inside a call (or after an unclosed one) and a tail that may open a call are held
+    back; so are leading and trailing whitespace, and the whole answer while it may still be a
+    bare JSON call (it starts with ``{``, ``[`` or a ```` ```json ```` fence).
+    """
+    pieces: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, pos)
+        if start == -1:
+            tail = text[pos:]
+            pieces.append(tail[: len(tail) - _held_tag_prefix(tail)])
+            break
+        pieces.append(text[pos:start])
+        close = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if close == -1:
+            break
+        pos = close + len(TOOL_CALL_CLOSE)
+    shown = "".join(pieces).lstrip()
+    head = shown[:7]
+    if shown.startswith(("{", "[")) or (head and ("```json".startswith(head) or shown.startswith("```json"))):
+        return ""
+    return shown.rstrip()
+
+
+class ContentStream:
+    """Turns growing committed text into append-only deltas of answer text."""
+
+    def __init__(self) -> None:
+        self.emitted = ""
+
+    def feed(self, text: str) -> str:
+        """New answer text, given everything committed (and safe to show) so far."""
+        shown = visible_content(text)
+        if not shown.startswith(self.emitted) or len(shown) <= len(self.emitted):
+            return ""
+        delta = shown[len(self.emitted) :]
+        self.emitted = shown
+        return delta
+
+    def finish(self, content: str) -> str:
+        """The rest of the final answer text."""
+        if content.startswith(self.emitted):
+            return content[len(self.emitted) :]
+        return ""  # cannot happen with parse_tool_calls' content; never repeat text
+
+
+# -- one request --------------------------------------------------------------------------------
+def _format_schema(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if isinstance(spec, Mapping):
+            schema = spec.get("schema")
+            if isinstance(schema, Mapping):
+                return schema
+        schema = response_format.get("schema")
+        if isinstance(schema, Mapping):
+            return schema
+        raise InputError("response_format of type 'json_schema' needs json_schema.schema (a JSON-schema dict)")
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        return schema if isinstance(schema, Mapping) else None
+    raise InputError(f"unknown response_format type {kind!r}: use 'json_object' or 'json_schema'")
+
+
+JSON_INSTRUCTION = "Answer with a single JSON object and nothing else."
+ANSWER_FROM_RESULTS = (
+    "The results of the tools you called are in the conversation. Answer the user's question "
+    "with them, in plain words. Do not call a tool again."
+)
+JSON_SCHEMA_INSTRUCTION = "Answer with a single JSON object that matches this JSON schema, and nothing else:\n{schema}"
+
+
+CandidateFilter = Callable[[str, str], bool]
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How one request handles tools and JSON output (built by :meth:`build`)."""
+
+    tools: list[dict[str, Any]]
+    """Normalized tool schemas to render (empty with ``tool_choice="none"``)."""
+    choice: ToolChoice
+    prefill: str = ""
+    """Text committed before the first round (forces a call or a JSON object)."""
+    choices: tuple[str, ...] = ()
+    """Continuations of the prefill the verifiers vote on before the first round (the tool a
+    forced call names, when several tools are given)."""
+    constraint: CandidateFilter | None = None
+    stop: tuple[str, ...] = ()
+    """Extra stop strings (a forced call ends at its close tag)."""
+    instruction: str | None = None
+    """System text added to the conversation (JSON output)."""
+    parse: bool = False
+    """Parse tool calls out of the committed text."""
+
+    @classmethod
+    def build(
+        cls,
+        tools: Sequence[object] | None = None,
+        tool_choice: object = None,
+        response_format: Mapping[str, Any] | None = None,
+        *,
+        parallel_tool_calls: bool = False,
+        answering: bool = False,
+    ) -> OutputPlan | None:
+        """Check the request's tools / tool_choice / response_format; ``None`` when there are none.
+
+        ``tool_choice="none"`` hides the tools and keeps the answer plain text; ``answering``
+        (with ``"none"``) also asks the members to answer from the tool results in the
+        conversation (used when an answer only repeated calls already answered).
+
+        Raises:
+            InputError: a bad tool schema, an unknown ``tool_choice``, or a bad ``response_format``.
+        """
+        normalized = normalize_tools(tools)
+        if tool_choice is not None and not normalized and tool_choice not in ("none", "auto"):
+            raise InputError(f"tool_choice {tool_choice!r} was given without tools")
+        choice = normalize_tool_choice(tool_choice, normalized)
+        if response_format is not None:
+            if not isinstance(response_format, Mapping):
+                raise InputError(f"response_format must be a dict, got {type(response_format).__name__}")
+            if normalized and choice.mode != "none":
+                raise InputError("give either tools or response_format, not both")
+            schema = _format_schema(response_format)
+            instruction = (
+                JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema, ensure_ascii=False))
+                if response_format.get("type") == "json_schema" and schema
+                else JSON_INSTRUCTION
+            )
+            is_object = schema is None or _types(_resolve(schema, schema)) in (None, {"object"})
+            return cls(
+                tools=[],
+                choice=ToolChoice("none"),
+                prefill="{" if is_object else "",
+                constraint=JSONConstraint(schema),
+                instruction=instruction,
+            )
+        if not normalized:
+            return None
+        if choice.mode == "none":
+            return cls(
+                tools=[],
+                choice=choice,
+                constraint=PlainTextConstraint(),
+                instruction=ANSWER_FROM_RESULTS if answering else None,
+            )
+        single = not parallel_tool_calls or choice.mode == "required"
+        prefill = ""
+        choices: tuple[str, ...] = ()
+        if choice.mode == "required":
+            prefill = f'{TOOL_CALL_OPEN}\n{{"name": "'
+            names = [choice.name] if choice.name is not None else [t["function"]["name"] for t in normalized]
+            choices = tuple(f'{name}", "arguments": {{' for name in names)  # arguments are an object
+            if len(choices) == 1:
+                prefill, choices = prefill + choices[0], ()
+        return cls(
+            tools=normalized,
+            choice=choice,
+            prefill=prefill,
+            choices=choices,
+            constraint=ToolCallConstraint(normalized, single_call=single),
+            stop=(TOOL_CALL_CLOSE,) if single else (),
+            parse=True,
+        )
+
+    def combine(self, constraint: CandidateFilter | None) -> CandidateFilter | None:
+        """This plan's constraint and the caller's, both required."""
+        if constraint is None or self.constraint is None:
+            return constraint or self.constraint
+        mine = self.constraint
+        return _Both(mine, constraint)
+
+    def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Add the JSON instruction to the system message (or a new one)."""
+        if not self.instruction:
+            return messages
+        out = [dict(m) for m in messages]
+        if out and out[0].get("role") in ("system", "developer"):
+            out[0]["content"] = f"{out[0].get('content') or ''}\n\n{self.instruction}".strip()
+        else:
+            out.insert(0, {"role": "system", "content": self.instruction})
+        return out
+
+    def finish(self, result: GenerationResult) -> GenerationResult:
+        """Attach content and parsed tool calls to the final result."""
+        if not self.parse:
+            return result
+        parsed = parse_tool_calls(result.text, self.tools)
+        finish = "tool_calls" if parsed.tool_calls else result.finish_reason
+        return dataclasses.replace(
+            result,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
+            invalid_tool_calls=parsed.invalid_tool_calls,
+            finish_reason=finish,
+        )
+
+    def wrap(
+        self,
+        events: Iterator[StreamEvent],
+        messages: Sequence[Mapping[str, Any]] = (),
+        answer_instead: Callable[[], Iterator[StreamEvent]] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Post-process a request's events: answer-text deltas, calls on the final event.
+
+        With ``tool_choice="auto"``, an answer whose calls all repeat calls already answered in
+        ``messages`` (same tool, same arguments) brings nothing new: when ``answer_instead`` is
+        given, its events (a run without tools) replace the final event.
+        """
+        if not self.parse:
+            yield from events
+            return
+        stream = ContentStream()
+        text = ""
+        for event in events:
+            text += event.delta
+            if event.done and event.result is not None:
+                result = self.finish(event.result)
+                if (
+                    answer_instead is not None
+                    and self.choice.mode == "auto"
+                    and repeats_answered_calls(result.tool_calls, messages)
+                ):
+                    yield from answer_instead()
+                    return
+                delta = stream.finish(result.content or "")
+                yield dataclasses.replace(event, delta=delta, result=result)
+            else:
+                yield dataclasses.replace(event, delta=stream.feed(text))
+
+
+def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+    return str(name), json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def answered_calls(messages: Sequence[Mapping[str, Any]]) -> set[tuple[str, str]]:
+    """``(tool name, canonical JSON arguments)`` of the assistant calls that got a tool result."""
+    answered_ids = {m.get("tool_call_id") for m in messages if m.get("role") == "tool"}
+    has_results = any(m.get("role") == "tool" for m in messages)
+    keys: set[tuple[str, str]] = set()
+    for m in messages:
+        if m.get("role") != "assistant":
+            continue
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, Mapping) else {}
+            if not isinstance(fn, Mapping):
+                continue
+            call_id = call.get("id") if isinstance(call, Mapping) else None
+            if call_id in answered_ids or (call_id is None and has_results):
+                keys.add(_call_key(fn.get("name"), fn.get("arguments", {})))
+    return keys
+
+
+def repeats_answered_calls(calls: Sequence[ToolCall], messages: Sequence[Mapping[str, Any]]) -> bool:
+    """True when there are calls and each repeats a call already answered in ``messages``."""
+    if not calls:
+        return False
+    answered = answered_calls(messages)
+    return all(_call_key(c.name, c.arguments) in answered for c in calls)
+
+
+@dataclass(frozen=True)
+class _Both:
+    first: CandidateFilter
+    second: CandidateFilter
+
+    def __call__(self, committed: str, candidate: str) -> bool:
+        return self.first(committed, candidate) and self.second(committed, candidate)
+
+    def trim(self, committed: str, candidate: str) -> str:
+        trim = getattr(self.first, "trim", None)
+        out = trim(committed, candidate) if trim else candidate
+        return out if self.second(committed, out) else ""
+
+    def options(self, committed: str) -> list[str]:
+        options = getattr(self.first, "options", None)
+        return [o for o in (options(committed) if options else []) if self.second(committed, o)]

@@ -1,0 +1,98 @@
+"""One name per concept on every surface, and a loud error for a name that means nothing.
+
+The engine's fields are :class:`~specem_core.config.SpecEMConfig`'s. The surfaces on top follow
+their host's conventions where it has one (OpenAI, LangChain and LlamaIndex all say
+``max_tokens``), so each field may have one other spelling here; everything else that is not a
+field is rejected with the closest names, never dropped.
+
+==================  =============================  =========================================
+concept             SpecEMConfig / SpecEM          CLI / LangChain / LlamaIndex / server
+==================  =============================  =========================================
+answer cap          ``max_new_tokens``             ``--max-tokens`` / ``max_tokens``
+stop strings        ``stop``                       ``--stop`` / ``stop`` (``stop_sequences``)
+member retries      ``member_retries``             ``max_retries``
+==================  =============================  =========================================
+
+Example:
+    >>> config_fields({"max_tokens": 64, "temperature": 0}, where="ChatSpecEM")
+    {'max_new_tokens': 64, 'temperature': 0}
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from specem_core.config import SpecEMConfig
+from specem_core.errors import ConfigError
+
+CONFIG_FIELDS = frozenset(SpecEMConfig.__dataclass_fields__)
+"""Every :class:`SpecEMConfig` field name."""
+
+ALIASES: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "stop_sequences": "stop",
+    "max_retries": "member_retries",
+}
+"""Surface name -> the SpecEMConfig field it sets."""
+
+
+def config_fields(options: Mapping[str, Any], *, where: str, extra: Iterable[str] = ()) -> dict[str, Any]:
+    """``options`` with aliases turned into :class:`SpecEMConfig` field names (``None`` values
+    dropped: "not given").
+
+    Args:
+        options: names as a surface received them.
+        where: the surface, for the message (``"ChatSpecEM"``, ``"the 'specem' request object"``).
+        extra: other names the surface itself accepts, offered in the message's suggestions.
+
+    Raises:
+        ConfigError: a name that is neither a field nor an alias (with the closest known names),
+            or a field given twice under two spellings.
+    """
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        field = ALIASES.get(key, key)
+        if field not in CONFIG_FIELDS:
+            raise unknown_option(key, where=where, known=[*CONFIG_FIELDS, *ALIASES, *extra])
+        if value is None:
+            continue
+        if field in out:
+            raise ConfigError(f"{where}: {field} given twice (as {field} and as one of its aliases)")
+        out[field] = tuple(value) if field == "stop" and isinstance(value, list) else value
+    return out
+
+
+def unknown_option(key: str, *, where: str, known: Iterable[str]) -> ConfigError:
+    """The error for an option ``where`` does not know, naming the closest known ones."""
+    close = difflib.get_close_matches(key, sorted(set(known)), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return ConfigError(f"{where} got an unknown option {key!r}{hint}")
+
+
+def with_field_names(values: Mapping[str, Any], aliases: Mapping[str, str], *, where: str) -> dict[str, Any]:
+    """A constructor's keyword arguments with each alias renamed to the field it stands for.
+
+    Raises:
+        ConfigError: a field given under two spellings.
+    """
+    out = dict(values)
+    for alias, name in aliases.items():
+        if alias in out:
+            if out.get(name) is not None:
+                raise ConfigError(f"{where}: {name} given twice (as {name} and as {alias})")
+            out[name] = out.pop(alias)
+    return out
+
+
+def check_known(keys: Iterable[str], known: Iterable[str], *, where: str) -> None:
+    """Every key is a known argument of ``where``.
+
+    Raises:
+        ConfigError: the first unknown key, with the closest known names.
+    """
+    allowed = set(known)
+    for key in keys:
+        if key not in allowed:
+            raise unknown_option(key, where=where, known=allowed)
