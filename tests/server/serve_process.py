@@ -155,3 +155,17 @@ def serving(args: Sequence[str] = ("--model", "smollm2"), **kwargs: Any) -> Iter
         yield server
     finally:
         server.cleanup()
+
+
+def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI-shaped error response, checked: the status, exactly the
+    four keys, a non-empty message and no traceback in it."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    assert "Traceback" not in error["message"]
+    return error
