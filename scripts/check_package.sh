@@ -43,6 +43,10 @@ required = [
     "specem_core/data/preset_results.json",
     "specem_core/data/priors/quality.json",
     "specem_core/data/priors/fast.json",
+    # the playground of `specem serve` (GET /)
+    "specem_integrations/server/static/index.html",
+    "specem_integrations/server/static/playground.css",
+    "specem_integrations/server/static/playground.js",
 ]
 missing = [n for n in required if n not in names]
 if missing:
@@ -72,12 +76,14 @@ import specem_integrations
 from specem_integrations.langchain import ChatSpecEM
 from specem_integrations.llamaindex import SpecEMLLM
 from specem_integrations.server import create_app
+from specem_integrations.server._playground import playground_routes
 
 venv = Path(sys.argv[1]).resolve()
 for module in (specem_core, specem_integrations):
     where = Path(module.__file__).resolve()
     if venv not in where.parents:
         sys.exit(f"check_package: {module.__name__} was imported from {where}, not from the installed wheel")
+playground_routes()  # reads the playground's page and assets from the installed package data
 print(f"check_package: specem {specem_core.__version__} imports from {venv}: "
       f"{ChatSpecEM.__name__}, {SpecEMLLM.__name__}, {create_app.__name__}")
 EOF

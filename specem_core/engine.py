@@ -53,7 +53,10 @@ T = TypeVar("T")
 
 CandidateFilter = Callable[[str, str], bool]
 """``constraint(committed_text, candidate_text) -> keep?`` — e.g. keep a started tool call
-parseable. When it rejects every candidate of a round, all of them stay in the vote."""
+parseable. When it rejects every candidate of a round, all of them stay in the vote. Optional
+methods the engine uses when present: ``trim(committed, candidate)`` (the longest acceptable
+prefix), ``options(committed)`` (listable continuations, voted on when no candidate fits) and
+``complete(text)`` (the answer is a whole document: it ends there with ``stop``)."""
 
 
 class SpecEM:
@@ -546,6 +549,9 @@ class _Run:
                     self.text = self.text[:stop_at]
                     segment.text = self.text[old_len:]
                     ended = True
+                complete = getattr(self.constraint, "complete", None)
+                if not ended and complete is not None and complete(self.text):
+                    ended = True  # a JSON answer's object is closed: nothing but whitespace may follow
                 self._commit(segment.text, round_index, final=ended)
                 segment.seconds = time.perf_counter() - t0
                 self.segments.append(segment)

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from specem_core.errors import ConfigError
+
+log = logging.getLogger("specem.weights")
 
 _FORMAT = "specem-member-weights/1"
 _HISTORY_LIMIT = 10_000
@@ -157,7 +160,9 @@ class MemberWeights:
 
     def observe(self, rewards: Mapping[str, Sequence[float]]) -> None:
         """Learn from one request: ``rewards[name]`` are the Hedge rewards of that verifier in each
-        contested round. Members are compared on their mean reward, centred on the members' mean."""
+        contested round. Members are compared on their mean reward, centred on the members' mean.
+        A state file that cannot be written is logged (warning) and the state kept in memory: the
+        request's answer is already made and must not be lost to a full or read-only disk."""
         means = {name: sum(values) / len(values) for name, values in rewards.items() if values}
         if len(means) < 2:
             return  # nothing was compared
@@ -171,7 +176,10 @@ class MemberWeights:
             self.history.append({n: round(w, 6) for n, w in zip(names, self._weights(names), strict=True)})
             del self.history[:-_HISTORY_LIMIT]
         if self.path is not None:
-            self.save(self.path)
+            try:
+                self.save(self.path)
+            except OSError as exc:  # the answer is already made: keep it, keep learning in memory
+                log.warning("could not save the member weights to %s (kept in memory): %s", self.path, exc)
 
     def observe_result(self, segments: Iterable[Any]) -> None:
         """:meth:`observe` the rewards recorded in a request's segments (``Segment.rewards``)."""

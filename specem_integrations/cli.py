@@ -11,6 +11,7 @@ the default preset when no ``--model`` is given, else the members under the libr
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -229,12 +230,24 @@ def _serve_parser(sub: Any) -> None:
         help="seconds per request from arrival, queue wait included; then 504 (default 600; 0: none)",
     )
     serve.add_argument(
-        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (default 30)"
+        "--shutdown-timeout",
+        "--graceful-timeout",
+        dest="graceful_timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM / SIGINT; answers still running "
+        "then end with a server_shutting_down error (default 30; 0: wait for them)",
     )
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
     )
     serve.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    serve.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the browser playground on GET / (default: on when --host is a loopback address, else off)",
+    )
 
 
 _WEIGHTS_HELP = (
@@ -530,6 +543,19 @@ def _models(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def _ui_enabled(ui: bool | None, host: str) -> bool:
+    """``--ui`` / ``--no-ui`` as given, else on only for a loopback host (the playground is for
+    the person at this machine; elsewhere it is asked for explicitly)."""
+    if ui is not None:
+        return ui
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
 def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Load the members, then serve them until SIGINT / SIGTERM (graceful shutdown)."""
     try:
@@ -544,7 +570,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.request_batch_size is not None and args.request_batch_size < 1:
         raise SpecEMError(f"--request-batch-size must be at least 1, got {args.request_batch_size}")
     if args.request_timeout < 0 or args.graceful_timeout < 0:
-        raise SpecEMError("--request-timeout and --graceful-timeout must be >= 0")
+        raise SpecEMError("--request-timeout and --shutdown-timeout must be >= 0")
     if not 0 <= args.port <= 65535:
         raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
     if not args.served_model_name.strip():
@@ -573,6 +599,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             queue=args.queue,
             request_timeout=args.request_timeout or None,
             model_name=args.served_model_name,
+            ui=_ui_enabled(args.ui, args.host),
         )
         url = socket_url(sock)
         names = ", ".join(m.name for m in members)
@@ -584,6 +611,8 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             file=err,
             flush=True,
         )
+        if _ui_enabled(args.ui, args.host):
+            print(f"specem serve: playground on {url}/", file=err, flush=True)
         if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             print(
                 f"specem serve: warning: listening on {args.host} without --api-key-env: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,18 @@ def paper_members() -> list[Any]:
     from specem_core.presets import preset_members
 
     return preset_members("paper")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server() -> Iterator[Any]:
+    """One real ``python -m llama_cpp.server`` over the packaged SmolLM2 GGUF for the whole test
+    session (``llama_server.start_server``), stopped at the end."""
+    from llama_server import llama_cpp_available, start_server
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python[server] is not installed (scripts/build_llama_cpp.sh builds and installs it)")
+    server = start_server("smollm2", n_threads=1, n_ctx=2048)
+    try:
+        yield server
+    finally:
+        server.stop()

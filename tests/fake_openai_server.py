@@ -6,7 +6,8 @@ It speaks ``/v1/models``, ``/v1/completions`` (with ``echo`` + ``logprobs``) and
 * ``dialect="vllm"``: echo entries for every token, specials spelled out, offsets into the text
   we sent, each log-prob aligned with its token, assistant prefill (``continue_final_message``)
   supported. ``max_tokens`` below 1 is a 400 (``max_tokens must be at least 1, got 0.``), except
-  ``max_tokens=0`` with ``echo`` on ``/completions``: vLLM echoes the prompt and generates nothing.
+  ``max_tokens=0`` with ``echo`` on ``/completions``: vLLM echoes the prompt and generates nothing
+  (its usage still counts the one token it generated and dropped, as vLLM 0.x does).
 * ``dialect="llama"``: a line-by-line model of llama-cpp-python 0.3.36's ``_create_completion``:
   entry ``i`` pairs token ``i`` with the distribution *after* it, unless the prompt's first token
   is BOS (then it is dropped and the pairing lines up); specials are spelled ``""`` and left out
@@ -151,6 +152,8 @@ class FakeServer:
         if body.get("logprobs") is not None and body.get("echo"):
             k = int(body["logprobs"])
             out["logprobs"] = (self._echo_vllm if self.dialect == "vllm" else self._echo_llama)(prompt, gen, k)
+        if self.dialect == "vllm" and max_tokens == 0:
+            generated = 1  # vLLM generates one token for an echo without generation, drops it, counts it
         usage = {"prompt_tokens": len(tokenize(prompt)), "completion_tokens": generated}
         return {"id": "cmpl-1", "object": "text_completion", "model": self.model, "choices": [out], "usage": usage}
 

@@ -90,10 +90,14 @@ def start_server(
     n_threads: int = 1,
     api_key: str | None = None,
     startup_timeout: float = 180.0,
+    port: int | None = None,
 ) -> LlamaServer:
-    """Start a server on a free loopback port and wait until ``/v1/models`` answers."""
+    """Start a server on loopback (``port``, or a free one) and wait until ``/v1/models`` answers.
+
+    Starting again on the port of a server that was killed brings "the same server" back (the
+    fault tests restart a member this way)."""
     path = gguf_path(model)
-    port = free_port()
+    port = port or free_port()
     alias = alias or model
     cmd = [
         sys.executable,

@@ -196,6 +196,29 @@ def test_chat_learns_weights_in_a_state_file(
     assert json.loads(capsys.readouterr().out)["excluded"] == []  # two members at 1/2 each: nobody gated
 
 
+def test_chat_keeps_its_answer_when_the_state_file_cannot_be_saved(
+    tiny_dirs: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saving the learned weights after the answer fails (a directory stands where the state's
+    temporary file goes): the answer is printed, the exit code is 0, a warning names the file."""
+    import logging
+    import os
+
+    path = tmp_path / "weights.json"
+    args = ["chat", "Hello!", "--model", tiny_dirs[0], "--model", tiny_dirs[1], "--max-new-tokens", "12"]
+    assert main([*args, "--weights", str(path), "--json"]) == 0  # creates and teaches the file
+    saved = path.read_text()
+    capsys.readouterr()
+    (tmp_path / f"weights.json.{os.getpid()}.tmp").mkdir()  # main() runs in this process
+    with caplog.at_level(logging.WARNING, logger="specem.weights"):
+        code = main([*args, "--weights", str(path), "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["text"]
+    assert path.read_text() == saved
+    assert f"could not save the member weights to {path}" in caplog.text
+
+
 def test_set_maps_any_config_field() -> None:
     from specem_integrations.cli import _config, _parser
 

@@ -5,6 +5,7 @@ engine makes the naive loop's decisions, sessions are isolated and concurrent de
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +108,15 @@ def _cands(draft_text: str, draft_ended: bool) -> list[Candidate]:
     ]
 
 
+COMPACTING = ["llama", "qwen2", "gemma3", *REQUANTIZED]
+"""Kinds whose refill of the context (``LlamaCppSession._compact``) is checked: every architecture
+(Llama, Qwen2, Gemma 3 with its sliding window), exactly on the batch-invariant ones."""
+
+
 @pytest.mark.parametrize(
     ("kind", "compact"),
-    [*((k, False) for k in [*KINDS, *REQUANTIZED]), ("llama", True)],
-    ids=[*KINDS, *REQUANTIZED, "llama-compacting"],
+    [*((k, False) for k in [*KINDS, *REQUANTIZED]), *((k, True) for k in COMPACTING)],
+    ids=[*KINDS, *REQUANTIZED, *(f"{k}-compacting" for k in COMPACTING)],
 )
 def test_cached_scores_equal_a_from_scratch_evaluation(
     models: dict[str, LlamaCppModel], kind: str, compact: bool, monkeypatch: pytest.MonkeyPatch
@@ -231,17 +237,22 @@ def test_a_member_that_only_follows_feeds_nothing_until_it_is_used(models: dict[
     "pieces",
     [["hel", "lo wor", "ld"], ["12345", "678", "90"], ["Caf", "é na", "ïve"], ["中", "文字", "符😀"]],
 )
-def test_committed_text_is_exact_at_boundaries(models: dict[str, LlamaCppModel], pieces: list[str]) -> None:
-    for kind in models:
-        m = _member(models, kind)
-        session = m.open(REQ)
+@pytest.mark.parametrize("kind", KINDS)
+def test_committed_text_is_exact_at_boundaries(models: dict[str, LlamaCppModel], kind: str, pieces: list[str]) -> None:
+    """Each architecture on its own (a missing GGUF skips that case and says which), so a run
+    without the models reports skips instead of passing on an empty loop."""
+    m = _member(models, kind)
+    session = m.open(REQ)
+    try:
         for p in pieces:
             session.score([Candidate("a", p, False), Candidate("b", p + "!", False)], score_eos=True)
             session.commit(p)
-        assert session._text == "".join(pieces)
-        assert session._resp_ids == m.encode_response("".join(pieces))
-        assert m.decode_bytes(session._resp_ids).decode() == "".join(pieces)
+        text, resp_ids = session._text, list(session._resp_ids)
+    finally:
         session.close()
+    assert text == "".join(pieces)
+    assert resp_ids == m.encode_response("".join(pieces))
+    assert m.decode_bytes(resp_ids).decode() == "".join(pieces)
 
 
 def _pair(models: dict[str, LlamaCppModel]) -> list[LlamaCppMember]:
@@ -302,8 +313,7 @@ def test_faithful_engine_makes_the_naive_loops_decisions(
         committed += seg.text
 
 
-def test_engine_features_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
-    """Sampling with a seed, stop strings, EOS voting, token healing and a JSON constraint."""
+def test_seeded_sampling_and_stop_strings_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
     members = _pair(models)
     engine = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=24))
     a = engine.generate("Name three colours.", temperature=0.8, top_p=0.9, top_k=40, seed=3)
@@ -315,15 +325,93 @@ def test_engine_features_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
     stopped = engine.generate("Count from 1 to 20, separated by commas.", stop=["5"])
     assert "5" not in stopped.text
     assert stopped.finish_reason == "stop"
-    voted = engine.generate("Say only: yes", eos_voting=True, max_new_tokens=16)
-    assert voted.finish_reason == "stop"
-    assert voted.excluded == []
-    healed = engine.generate("Give a web address of an example site.", token_healing=True)
-    assert healed.excluded == []
-    assert healed.text == "".join(s.text for s in healed.segments)
-    js = engine.generate("Describe Paris as JSON.", response_format={"type": "json_object"}, max_new_tokens=40)
-    assert js.text.lstrip().startswith("{")
+
+
+def _exact_pair(models: dict[str, LlamaCppModel]) -> list[LlamaCppMember]:
+    """SmolLM2 (Q4_1) + Qwen2.5 requantized to Q4_1: batch-invariant, so scores are exact."""
+    if "llama" not in models or "qwen2-q4_1" not in models:
+        pytest.skip("the default pair's GGUFs are not installed")
+    return [LlamaCppMember(models["llama"], name="smollm2"), LlamaCppMember(models["qwen2-q4_1"], name="qwen")]
+
+
+@pytest.mark.parametrize("eos_voting", [True, False])
+def test_eos_voting_scores_the_end_of_turn_on_llama_cpp(models: dict[str, LlamaCppModel], eos_voting: bool) -> None:
+    """With ``eos_voting`` every verifier's score of a finished candidate is the mean over its
+    tokens and the end-of-turn token (a from-scratch evaluation with the end of turn); without it,
+    over its text only. The two differ here, so each setting is told apart from the other."""
+    members = _exact_pair(models)
+    msgs = [{"role": "user", "content": "Say only: yes"}]
+    result = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=16, eos_voting=eos_voting)).generate(msgs)
+    assert result.excluded == []
+    assert result.finish_reason == "stop"
+    last = result.segments[-1]
+    committed = "".join(s.text for s in result.segments[:-1])
+    finished = [(n, c) for n, c in enumerate(last.candidates) if c.ended and c.text]
+    assert finished, last.candidates
+    by_name = {m.name: m for m in members}
+    request = SessionRequest(msgs)
+    checked = 0
+    for verifier, row in zip(last.verifiers, last.raw_scores, strict=True):
+        m = by_name[verifier]
+        prompt = m.encode_prompt(request)
+        assert len(prompt) + len(m.encode_response(committed + "Yes.")) + 1 < INVARIANT_BELOW  # exact here
+        for n, c in finished:
+            with_eos = naive_scores(m, prompt, committed, [(c.text, True)], True)[0][0]
+            text_only = naive_scores(m, prompt, committed, [(c.text, True)], False)[0][0]
+            assert abs(with_eos - text_only) > 100 * TOL  # the end of turn moves the mean
+            voted = with_eos if eos_voting else text_only
+            assert row[n] == pytest.approx(voted, abs=TOL), (
+                f"{verifier} scored {c.text!r} {row[n]:.4f}; with the end of turn {with_eos:.4f}, "
+                f"text only {text_only:.4f}"
+            )
+            checked += 1
+    assert checked >= 2
+
+
+def test_token_healing_in_the_engine_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
+    """A trusted opener commits ``https://www.you`` alone (a boundary inside SmolLM2's usual
+    tokens); in the next round SmolLM2's candidate is its healed draft (``tube.com/…``), which
+    differs from its plain draft (``-tube.com/``), so the check fails when the engine drafts
+    without healing."""
+    from scripted import ScriptedMember
+
+    from specem_core.weights import MemberWeights
+
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    opening = "https://www.you"
+    opener = ScriptedMember("opener", drafts=[(opening, False), (" ok", False)], draft_cost=1e9)
+    smol = LlamaCppMember(models["llama"], name="smollm2")
+    msgs = [{"role": "user", "content": "Give the address of a video site."}]
+    config = SpecEMConfig(segment_len=5, max_new_tokens=16, token_healing=True, trusted_opening_rounds=1)
+    weights = MemberWeights(prior={"opener": 10.0, "smollm2": 1.0})
+    result = SpecEM([opener, smol], config, weights=weights).generate(msgs)
+    assert result.excluded == []
+    assert result.segments[0].text == opening
+    second = {c.member: (c.text, c.ended) for c in result.segments[1].candidates}
+    alone = {}
+    for healing in (True, False):
+        session = smol.open(SessionRequest(msgs))
+        session.commit(opening)
+        d = session.draft(5, SamplingParams(token_healing=healing))
+        session.close()
+        alone[healing] = (d.text, d.ended)
+    assert alone[True] != alone[False], "healing changes nothing after this opening"
+    assert second["smollm2"] == alone[True], f"healed {alone[True]}, plain {alone[False]}"
+
+
+def test_json_object_output_parses_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
+    """``response_format={"type": "json_object"}``: the answer ends by itself and is one JSON
+    object (the members alone answer this prompt in prose or a fenced block)."""
+    import json
+
+    members = _pair(models)
+    engine = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=64))
+    msgs = [{"role": "user", "content": "Describe Paris as JSON with the keys name and country."}]
+    js = engine.generate(msgs, response_format={"type": "json_object"})
     assert js.excluded == []
+    assert js.finish_reason == "stop", js.text
+    assert isinstance(json.loads(js.text), dict), js.text
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -388,6 +476,46 @@ def test_concurrent_requests_run_at_once_in_private_contexts(models: dict[str, L
     for m in members:
         assert m.model.peak_contexts_in_use >= 2  # requests overlapped, each in its own context
         assert m.model.contexts_in_use == 0  # every context went back to the pool
+
+
+def test_a_ninth_session_waits_for_one_of_the_eight_contexts(models: dict[str, LlamaCppModel]) -> None:
+    """``max_contexts=8`` (the default): eight sessions in use hold the eight contexts; a ninth
+    waits (blocked on the pool, no context created for it) until one of them closes, then takes
+    that very context and drafts what the others drafted (same prompt, greedy)."""
+    if "llama" not in models:
+        pytest.skip("SmolLM2 GGUF not installed")
+    model = LlamaCppModel(models["llama"].path, n_ctx=256)  # its own pool, small contexts
+    try:
+        assert model.max_contexts == 8
+        m = LlamaCppMember(model, name="pool")
+        sessions = [m.open(REQ) for _ in range(9)]
+        first = [s.draft(4, SamplingParams()) for s in sessions[:8]]  # each takes a context on first use
+        assert model.contexts_in_use == 8
+        assert len({id(s._ctx) for s in sessions[:8]}) == 8
+        ninth: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: ninth.setdefault("draft", sessions[8].draft(4, SamplingParams())))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not model._pool_cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)  # until the ninth is parked on the pool's condition
+        assert len(model._pool_cond._waiters) == 1  # type: ignore[attr-defined]
+        assert "draft" not in ninth
+        assert worker.is_alive()
+        assert model.contexts_in_use == 8
+        assert model._created == 8  # no ninth context
+        released = sessions[3]._ctx
+        sessions[3].close()
+        worker.join(60)
+        assert not worker.is_alive()
+        assert sessions[8]._ctx is released  # the context the fourth session gave back
+        assert model._created == 8
+        assert (ninth["draft"].text, ninth["draft"].ended) == (first[0].text, first[0].ended)
+        for n, s in enumerate(sessions):
+            if n != 3:
+                s.close()
+        assert model.contexts_in_use == 0
+    finally:
+        model.close()
 
 
 def test_prompt_longer_than_the_context_fails_before_any_model_work(models: dict[str, LlamaCppModel]) -> None:

@@ -139,6 +139,28 @@ def test_the_pair_loads_from_the_pinned_weights(paper_members: list[object]) -> 
     assert {type(m).__name__ for m in paper_members} == {kind}
 
 
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda-visible", "no-cuda"])
+def test_the_default_backend_follows_cuda_visibility(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    """With llama-cpp-python importable, a visible CUDA device (simulated: no test needs a GPU)
+    sends packaged names and GGUF files to transformers, and none sends them to llama.cpp; a model
+    directory is transformers either way. Both runs here, whatever this machine has installed."""
+    import importlib.util
+
+    torch = pytest.importorskip("torch", reason="torch is not installed: CUDA visibility cannot be simulated")
+    find_spec = importlib.util.find_spec
+    installed = find_spec("json")  # any spec: llama_cpp is then "importable"
+
+    def with_llama_cpp(name: str, *args: object) -> object:
+        return installed if name == "llama_cpp" else find_spec(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", with_llama_cpp)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    expected = "transformers" if cuda else "llamacpp"
+    assert registry.default_backend() == expected
+    assert registry._resolve("smollm2").backend == expected
+    assert registry._resolve("qwen2.5-coder").backend == expected
+
+
 def test_a_model_with_no_fp32_copy_resolves_to_llama_cpp_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 1.5B ships no fp32 copy (7 GB): under ``auto`` it goes to llama.cpp even where the
     default backend is transformers (a visible GPU), so the default preset loads everywhere."""

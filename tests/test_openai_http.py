@@ -1,7 +1,11 @@
-"""OpenAI-compatible HTTP members against in-process fakes (``httpx.MockTransport``).
+"""OpenAI-compatible HTTP members.
 
-The fakes model vLLM and llama-cpp-python closely (``fake_openai_server``); the same member code
-runs against a real llama-cpp-python server in ``test_openai_http_live.py``.
+Probing, echo alignment and scoring run against a real ``python -m llama_cpp.server`` over the
+packaged SmolLM2 GGUF (one per test session, ``smollm2_server`` in ``conftest.py``), checked
+against the same GGUF evaluated in process. The in-process fake (``fake_openai_server``, over
+``httpx.MockTransport``) is kept for what a real server will not do on demand: faults (timeouts,
+5xx, 429, malformed or truncated bodies), an alignment that changes after the probe, scripted
+drafts, and vLLM's dialect where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from specem_core.backends.http.member import (
     continuation_anchor,
     splice_continuation,
 )
+from specem_core.reference import naive_scores
 from specem_core.types import Candidate
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -54,49 +59,99 @@ def open_session(m: OpenAIHTTPMember, messages: list[dict[str, str]] | None = No
     return m.open(SessionRequest(messages or QUESTION))
 
 
-# -- probing ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("dialect", "bos", "shift", "zero"),
-    [
-        ("vllm", "<|im_start|>", 0, "rejected"),  # vLLM: max_tokens must be >= 1 (as test_openai_http_vllm)
-        ("llama", "<|im_start|>", 0, "unlimited"),  # SmolLM2: BOS == <|im_start|>, dropped from echo
-        ("llama", "<|endoftext|>", 1, "unlimited"),  # Qwen: the prompt does not start with BOS
-    ],
-)
-def test_probe_detects_echo_alignment_and_max_tokens_zero(dialect: str, bos: str, shift: int, zero: str) -> None:
-    m = member(FakeServer(dialect=dialect, bos=bos))
+# -- the real server: llama-cpp-python on loopback (probing, alignment, scoring) ---------------
+class RecordingTransport(httpx.AsyncHTTPTransport):
+    """A real network transport that keeps the JSON bodies it sends (to see what scoring asks for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict[str, Any]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.content:
+            self.bodies.append(json.loads(request.content))
+        return await super().handle_async_request(request)
+
+
+def real_member(server: Any, *, templated: bool, **kwargs: Any) -> OpenAIHTTPMember:
+    """An HTTP member of the session's SmolLM2 server: with the model's chat template (prompts start
+    with BOS, echo aligned) or without one (plain prompts, echo shifted by one)."""
+    from specem_core.registry import resolve_tokenizer
+
+    if templated:
+        kwargs["tokenizer"] = resolve_tokenizer("smollm2")
+    return OpenAIHTTPMember(server.base_url, name="templated" if templated else "plain", context_window=2048, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_server: Any) -> Any:
+    """The same GGUF in process (llama.cpp): from-scratch log-probs to check the server's against."""
+    from llama_server import gguf_path
+
+    from specem_core.backends.llama_cpp import LlamaCppMember, LlamaCppModel
+
+    return LlamaCppMember(LlamaCppModel(gguf_path("smollm2"), n_ctx=2048, max_contexts=1), name="reference")
+
+
+def reference_prompt(reference: Any, m: OpenAIHTTPMember, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids the server evaluates for ``m``'s prompt (the server prepends BOS to a plain one)."""
+    if m.chat is not None:
+        return list(reference.encode_prompt(SessionRequest(messages)))
+    return [reference.model.bos_id, *reference.encode_response(m.render_prompt(messages, None))]
+
+
+@pytest.mark.parametrize(("templated", "shift"), [(True, 0), (False, 1)], ids=["templated", "plain"])
+def test_probe_detects_echo_alignment_and_max_tokens_zero(smollm2_server: Any, templated: bool, shift: int) -> None:
+    """llama-cpp-python: a prompt that starts with BOS (SmolLM2's <|im_start|>) has aligned echo
+    log-probs, a plain one is shifted by one; ``max_tokens=0`` with echo still generates (no limit)."""
+    m = real_member(smollm2_server, templated=templated)
     caps = m.probe()
+    assert caps.server == "llama-cpp-python"
     assert caps.completions
     assert caps.echo_logprobs
     assert caps.echo_shift == shift
-    assert caps.max_tokens_zero == zero
-    assert caps.server == ("vllm" if dialect == "vllm" else "llama-cpp-python")
-    assert m.modes == ("completions", "logprobs")
-    assert m.model == "fake"  # taken from /v1/models
+    assert caps.max_tokens_zero == "unlimited"
+    assert m.model == "smollm2"  # taken from /v1/models
+    assert m.modes == (("completions", "logprobs") if templated else ("chat_continue", "logprobs"))
 
 
-def test_vllm_fake_rejects_max_tokens_zero_except_echo_without_generation() -> None:
-    """Like vLLM: ``max_tokens=0`` is a 400 (the probe sees "rejected") except with ``echo``, where
-    nothing is generated; a member given ``max_tokens_zero="zero"`` scores with it and gets the
-    same scores as with the one generated token vLLM's probe leads to."""
+def test_probe_asks_max_tokens_zero_the_way_scoring_does(smollm2_server: Any) -> None:
+    """The probe sends ``max_tokens=0`` with ``echo`` and ``logprobs`` (what a score request is),
+    and its verdict is what the server does with that request: llama-cpp-python generates anyway,
+    so scoring asks for one token and ignores it."""
+    transport = RecordingTransport()
+    m = real_member(smollm2_server, templated=True, transport=transport)
+    caps = m.probe()
+    zero = [b for b in transport.bodies if b.get("max_tokens") == 0]
+    assert zero, transport.bodies
+    assert all(b.get("echo") and b.get("logprobs") for b in zero)  # never a bare max_tokens=0
+    answer = httpx.post(f"{smollm2_server.base_url}/completions", json=zero[0], timeout=60).json()
+    assert answer["usage"]["completion_tokens"] > 0  # 0 is no limit here
+    assert caps.max_tokens_zero == "unlimited"
+    transport.bodies.clear()
+    open_session(m).score([Candidate("a", "Paris.", False), Candidate("b", "Rome.", False)], score_eos=False)
+    assert {b["max_tokens"] for b in transport.bodies if b.get("echo")} == {1}
+
+
+def test_vllm_echo_without_generation_is_found_and_used() -> None:
+    """vLLM (not installed here; ``test_openai_http_vllm.py`` runs the real one when it is) rejects
+    ``max_tokens=0`` except with ``echo`` on ``/completions``, where it echoes the prompt and
+    generates nothing. The fake models that; the probe finds ``"zero"`` through the request scoring
+    sends, and scoring then asks for no token and gets the scores one generated token gives."""
     server = FakeServer(dialect="vllm")
     client = httpx.Client(transport=server.transport(), base_url="http://fake.test/v1")
     plain = client.post("/completions", json={"prompt": "hi", "max_tokens": 0})
     assert plain.status_code == 400
     assert plain.json()["error"]["message"] == "max_tokens must be at least 1, got 0."
-    assert plain.json()["error"]["param"] == "max_tokens"
-    chat = client.post("/chat/completions", json={"messages": QUESTION, "max_tokens": 0})
-    assert chat.status_code == 400
     echoed = client.post("/completions", json={"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1})
     assert echoed.status_code == 200
-    assert echoed.json()["choices"][0]["text"] == "hi"
-    assert echoed.json()["usage"]["completion_tokens"] == 0
+    assert echoed.json()["choices"][0]["text"] == "hi"  # the prompt only (usage counts 1, as vLLM's does)
 
     probed = member(server).probe()
-    assert probed.max_tokens_zero == "rejected"
+    assert probed.max_tokens_zero == "zero"
     cands = [Candidate("a", " The capital", False), Candidate("b", " zzz", False)]
     rows = {}
-    for zero in ("rejected", "zero"):
+    for zero in ("zero", "rejected"):
         server.requests.clear()
         m = member(server, capabilities=replace(probed, max_tokens_zero=zero))
         rows[zero] = open_session(m).score(cands, score_eos=False)
@@ -104,13 +159,13 @@ def test_vllm_fake_rejects_max_tokens_zero_except_echo_without_generation() -> N
     assert [r.mean_logprob for r in rows["zero"]] == [r.mean_logprob for r in rows["rejected"]]
 
 
-def test_probe_detects_prefill_support_without_a_local_template() -> None:
-    vllm = OpenAIHTTPMember("http://v/v1", transport=FakeServer(dialect="vllm").transport(), retry=FAST)
-    llama = OpenAIHTTPMember("http://l/v1", transport=FakeServer(dialect="llama").transport(), retry=FAST)
-    assert vllm.probe().chat_prefill is True
-    assert vllm.modes[0] == "chat_prefill"
+def test_probe_detects_prefill_support_without_a_local_template(smollm2_server: Any) -> None:
+    llama = real_member(smollm2_server, templated=False)
     assert llama.probe().chat_prefill is False  # llama-cpp-python starts a new turn instead
     assert llama.modes[0] == "chat_continue"
+    vllm = OpenAIHTTPMember("http://v/v1", transport=FakeServer(dialect="vllm").transport(), retry=FAST)
+    assert vllm.probe().chat_prefill is True  # vLLM's continue_final_message (the fake; see above)
+    assert vllm.modes[0] == "chat_prefill"
 
 
 def test_unusable_echo_falls_back_to_the_judge_and_never_scores_it() -> None:
@@ -214,89 +269,131 @@ def test_splice_continuation(partial: str, reply: str, expected: str) -> None:
     assert splice_continuation(partial, reply, continuation_anchor(partial)) == expected
 
 
-# -- exact verification -----------------------------------------------------------------------
-def scores(server: FakeServer, committed: str, cands: list[Candidate], **kw: Any) -> list[Any]:
-    s = open_session(member(server, **kw))
-    s.commit(committed)
-    return list(s.score(cands, score_eos=True))
-
-
+# -- exact verification (the real server against the same GGUF in process) ---------------------
 CANDS = [
     Candidate("a", " is Paris.", True),
     Candidate("b", " is Berlin.", True),
     Candidate("c", " is", False),
     Candidate("d", "", True),
 ]
+SERVER_TOL = 0.12
+"""Server log-probs vs the in-process evaluation of the same tokens (measured: within 0.08; a
+candidate scored one position off would be off by nats)."""
 
 
-def test_scores_are_exact_mean_logprobs_of_the_candidate_span() -> None:
-    server = FakeServer(dialect="vllm", weights={" Berlin": -5.0, " Paris": -0.2, " is": -0.4, "<|im_end|>": -0.7})
-    row = scores(server, "The capital of France", CANDS)
-    # " is Paris." + EOS: (-0.4 - 0.2 - 0.05 - 0.7) / 4
-    assert row[0].mean_logprob == pytest.approx((-0.4 - 0.2 - 0.05 - 0.7) / 4)
-    assert row[0].n_tokens == 4
-    assert row[1].mean_logprob == pytest.approx((-0.4 - 5.0 - 0.05 - 0.7) / 4)
-    assert row[2].mean_logprob == pytest.approx(-0.4)
-    assert row[3].mean_logprob == pytest.approx(-0.7)  # only the end of turn
-    assert row[0].mean_logit is None
+def new_tokens(reference: Any, committed: str, text: str) -> int:
+    """Tokens of ``committed + text`` after those it shares with ``committed`` (a boundary merge
+    re-reads the committed text's last tokens)."""
+    full, base = reference.encode_response(committed + text), reference.encode_response(committed)
+    shared = 0
+    while shared < min(len(full), len(base)) and full[shared] == base[shared]:
+        shared += 1
+    return len(full) - shared
+
+
+def check_scores(
+    reference: Any, m: OpenAIHTTPMember, committed: str, cands: list[Candidate], score_eos: bool
+) -> list[Any]:
+    """Score ``cands`` through ``m`` after ``committed``; each row's token count and mean log-prob
+    equal a from-scratch llama.cpp evaluation of the same prompt, text and end of turn."""
+    session = open_session(m)
+    session.commit(committed)
+    row = session.score(cands, score_eos=score_eos)
+    want = naive_scores(
+        reference, reference_prompt(reference, m, QUESTION), committed, [(c.text, c.ended) for c in cands], score_eos
+    )
+    for got, c, (_, logprob) in zip(row, cands, want, strict=True):
+        n_tokens = new_tokens(reference, committed, c.text) + (1 if c.ended and (score_eos or not c.text) else 0)
+        assert got.n_tokens == n_tokens, (c, got)
+        assert got.mean_logprob == pytest.approx(logprob, abs=SERVER_TOL), (c, got, logprob)
+    return list(row)
+
+
+def test_scores_are_exact_mean_logprobs_of_the_candidate_span(smollm2_server: Any, reference: Any) -> None:
+    m = real_member(smollm2_server, templated=True)
+    row = check_scores(reference, m, "The capital of France", CANDS, score_eos=True)
+    assert row[0].mean_logit is None  # the server gives log-probs, not logits
     assert sum(r.probability for r in row) == pytest.approx(1.0)
-    assert row[0].probability > row[1].probability
-
-
-@pytest.mark.parametrize("bos", ["<|im_start|>", "<|endoftext|>"])
-def test_llama_dialects_give_the_vllm_scores(bos: str) -> None:
-    weights = {" Berlin": -5.0, " Paris": -0.2, " is": -0.4, "<|im_end|>": -0.7}
-    reference = scores(FakeServer(dialect="vllm", weights=weights), "The capital of France", CANDS[:3])
-    llama = FakeServer(dialect="llama", bos=bos, weights=weights)
-    m = member(llama)
-    s = open_session(m)
-    s.commit("The capital of France")
-    row = s.score([Candidate("a", " is Paris.", False), Candidate("b", " is Berlin.", False), CANDS[2]], score_eos=True)
-    expected = [(-0.4 - 0.2 - 0.05) / 3, (-0.4 - 5.0 - 0.05) / 3, -0.4]
-    assert [r.mean_logprob for r in row] == pytest.approx(expected)
-    if bos == "<|im_start|>":
-        with_eos = s.score(CANDS[:3], score_eos=True)
-        assert [r.mean_logprob for r in with_eos] == pytest.approx([r.mean_logprob for r in reference])
+    assert row[0].probability > row[1].probability  # Paris over Berlin
     assert m.stats.inexact_tokens == 0
 
 
-def test_shifted_server_cannot_score_end_of_turn_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    m = member(FakeServer(dialect="llama", bos="<|endoftext|>"))
+def test_shifted_server_gives_the_aligned_scores(smollm2_server: Any, reference: Any) -> None:
+    """A plain prompt's echo is shifted by one; read from the previous slot's top log-probs, the
+    text's scores are the from-scratch ones of that prompt."""
+    m = real_member(smollm2_server, templated=False)
+    cands = [Candidate("a", " is Paris.", False), Candidate("b", " is", False)]  # tokens in the top 20
+    check_scores(reference, m, "The capital of France", cands, score_eos=False)
+    assert m.stats.inexact_tokens == 0
+
+
+def test_shifted_server_cannot_score_end_of_turn_and_says_so(
+    smollm2_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = real_member(smollm2_server, templated=False, end_of_turn="<|im_end|>")
     s = open_session(m)
+    cands = [Candidate("a", "The capital of France is Paris.", True), Candidate("b", "Paris.", True)]
     with caplog.at_level(logging.WARNING, logger="specem.http"):
-        row = s.score([Candidate("a", "Paris.", True), Candidate("b", "Rome.", True)], score_eos=True)
-    assert [r.n_tokens for r in row] == [2, 2]  # text only
-    assert m.stats.inexact_tokens == 2
+        row = s.score(cands, score_eos=True)
+    assert [r.n_tokens for r in row] == [7, 2]  # the text's tokens only, no end of turn
+    assert m.stats.inexact_tokens == 2  # one unknown end of turn per candidate
     assert "end-of-turn log-prob unknown" in caplog.text
-    strict = member(FakeServer(dialect="llama", bos="<|endoftext|>"), strict_scoring=True)
+    strict = real_member(smollm2_server, templated=False, end_of_turn="<|im_end|>", strict_scoring=True)
     with pytest.raises(AlignmentError):
         open_session(strict).score([Candidate("a", "Paris.", True), Candidate("b", "x", False)], score_eos=True)
 
 
-def test_shifted_server_bounds_tokens_missing_from_top_k_or_raises_when_strict() -> None:
-    server = FakeServer(dialect="llama", bos="<|endoftext|>", weights={" Berlin": -5.0}, top_k_cap=1)
-    m = member(server, top_logprobs=1)
-    m.probe()
+def test_shifted_server_bounds_tokens_missing_from_top_k_or_raises_when_strict(
+    smollm2_server: Any, reference: Any
+) -> None:
+    """With one top log-prob per slot, a token the model did not rank first is not listed: it is
+    scored with the slot's lowest listed value (an upper bound of its own) and counted inexact."""
+    m = real_member(smollm2_server, templated=False, top_logprobs=1)
     s = open_session(m)
-    row = s.score([Candidate("a", " Berlin", False), Candidate("b", " x", False)], score_eos=False)
-    assert row[0].mean_logprob == pytest.approx(-3.0)  # the slot's lowest listed value (zzz), not -5
-    assert m.stats.inexact_tokens == 1
-    strict = member(
-        FakeServer(dialect="llama", bos="<|endoftext|>", weights={" Berlin": -5.0}, top_k_cap=1),
-        top_logprobs=1,
-        strict_scoring=True,
-    )
+    cands = [Candidate("a", " zebra", False), Candidate("b", " is", False)]
+    row = s.score(cands, score_eos=False)
+    want = naive_scores(reference, reference_prompt(reference, m, QUESTION), "", [(" zebra", False)], False)[0][1]
+    assert m.stats.inexact_tokens >= 1
+    assert row[0].mean_logprob is not None
+    assert row[0].mean_logprob > want + 1.0  # the bound, well above the token's own log-prob
+    strict = real_member(smollm2_server, templated=False, top_logprobs=1, strict_scoring=True)
     with pytest.raises(AlignmentError, match="missing"):
-        open_session(strict).score([Candidate("a", " Berlin", False), Candidate("b", " x", False)], score_eos=False)
+        open_session(strict).score(cands, score_eos=False)
 
 
-def test_multibyte_text_aligns() -> None:
-    server = FakeServer(dialect="llama", answer="Café naïve — déjà vu 東京.")
-    s = open_session(member(server))
-    d = s.draft(3, SamplingParams())
-    s.commit(d.text)
-    row = s.score([Candidate("a", " naïve — déjà", False), Candidate("b", " 東京", False)], score_eos=False)
-    assert all(r.n_tokens > 0 for r in row)
+def test_multibyte_text_aligns(smollm2_server: Any, reference: Any) -> None:
+    """Accents, a dash, CJK and an emoji (several byte tokens per character in SmolLM2's vocabulary):
+    each candidate's token count and mean log-prob are those of the same tokens evaluated in process."""
+    m = real_member(smollm2_server, templated=True)
+    cands = [Candidate("a", " naïve — déjà", False), Candidate("b", " 東京", False), Candidate("c", " vu 😀.", False)]
+    check_scores(reference, m, "Café", cands, score_eos=False)
+    assert m.stats.inexact_tokens == 0
+
+
+def test_shifted_server_counts_the_tokens_of_accented_text(smollm2_server: Any, reference: Any) -> None:
+    """Shifted echo, characters that are one token each: every token of the candidate is scored
+    (exactly where the previous slot lists it, bounded where it does not)."""
+    m = real_member(smollm2_server, templated=False)
+    session = open_session(m)
+    session.commit("Café")
+    cands = [Candidate("a", " naïve — déjà", False), Candidate("b", " café", False)]
+    row = session.score(cands, score_eos=False)
+    for got, c in zip(row, cands, strict=True):
+        assert got.n_tokens == new_tokens(reference, "Café", c.text), (c, got)
+        assert got.mean_logprob is not None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AlignmentError,
+    reason="known limit: a shifted echo (plain prompt, no BOS) spells a character split over several "
+    "byte tokens as '' entries, and the previous slot's top log-probs cannot tell them apart",
+)
+def test_shifted_server_aligns_characters_split_over_tokens(smollm2_server: Any) -> None:
+    m = real_member(smollm2_server, templated=False)
+    session = open_session(m)
+    row = session.score([Candidate("a", " 東京", False), Candidate("b", " x", False)], score_eos=False)
+    assert row[0].n_tokens > 0
 
 
 def test_server_whose_alignment_changes_after_the_probe_is_caught() -> None:

@@ -1,5 +1,5 @@
 """HTTP members against a real OpenAI-compatible server: llama-cpp-python over the packaged
-SmolLM2-135M-Instruct GGUF, started on loopback by the fixtures and stopped after the module.
+SmolLM2-135M-Instruct GGUF, started on loopback once per test session (``smollm2_server``).
 
 Build / install the server with ``scripts/build_llama_cpp.sh`` (there is no binary wheel).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,12 +35,8 @@ KEY = "sk-live-SECRET-42424242"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LlamaServer]:
-    srv = start_server("smollm2", n_threads=1, n_ctx=2048)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server: LlamaServer) -> LlamaServer:
+    return smollm2_server  # the session's server (conftest.py), shared with test_openai_http.py
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def test_probe_recognises_vllm(templated: OpenAIHTTPMember, chat_only: OpenAIHTT
     assert caps is not None
     assert caps.server == "vllm"
     assert caps.echo_shift == 0  # vLLM's echo logprobs are aligned, unlike llama-cpp-python's
-    assert caps.max_tokens_zero == "rejected"  # vLLM wants max_tokens >= 1: scoring asks for one token
+    assert caps.max_tokens_zero == "zero"  # max_tokens=0 is a 400 except with echo: scoring generates nothing
     assert templated.modes == ("completions", "logprobs")
     chat_caps = chat_only.capabilities
     assert chat_caps is not None

@@ -19,7 +19,7 @@ def load_quality(monkeypatch: pytest.MonkeyPatch, eval_dir: Path, results: Path)
     # the study's settings live in its parts (benchmarks/quality_study/): patch them there
     monkeypatch.setattr(module.tasks, "EVAL_DIR", eval_dir)
     monkeypatch.setattr(module.tasks, "RESULTS", results)
-    monkeypatch.setattr(module.tasks, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8})
+    monkeypatch.setattr(module.tasks, "TASKS", {"ifeval": 6, "arc": 4, "gsm8k": 8, "humaneval": 8})
     return module
 
 
@@ -30,7 +30,7 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     shutil.copy(EVAL / "ifeval_score.py", eval_dir)
-    for name in ("ifeval_dev.jsonl", "arc_easy_dev.jsonl", "gsm8k_dev.jsonl"):
+    for name in ("ifeval_dev.jsonl", "arc_easy_dev.jsonl", "gsm8k_dev.jsonl", "humaneval.jsonl"):
         rows = (EVAL / name).read_text().splitlines()[:3]
         (eval_dir / name).write_text("\n".join(rows) + "\n")
     module = load_quality(monkeypatch, eval_dir, tmp_path / "results")
@@ -115,6 +115,23 @@ def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
     text = quality.report()
     assert "GSM8K dev (8 new tokens): first 2 prompts, every configuration" in text
     assert "| learned | 2 |" in text
+
+
+def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(quality: Any) -> None:
+    quality.run("humaneval", ["qwen", "default"], limit=2, seed=0)
+    recs = quality.records("humaneval", "default")
+    assert [r["key"] for r in recs] == ["HumanEval/0", "HumanEval/1"]
+    for r in recs:  # random tiny members write no working code: each graded, none passes
+        assert r["passed"] is False
+        assert r["error_kind"] in quality.tasks.KINDS_OF_GRADE
+        assert r["grade_seconds"] >= 0
+    figures = quality.measure("humaneval", recs)
+    assert figures["pass_at_1"] == 0.0
+    text = quality.report()
+    assert "HumanEval (8 new tokens, graded in a sandbox): all 3 prompts" not in text  # only 2 of 3 ran
+    assert "| default | 2 | 0.0 |" in text
+    summary = json.loads((quality.tasks.RESULTS / "summary.json").read_text())
+    assert summary["humaneval"]["default"]["pass_at_1"] == 0.0
 
 
 def test_cost_times_several_configurations_side_by_side_against_one_member(quality: Any) -> None:

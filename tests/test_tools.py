@@ -725,3 +725,76 @@ def test_plain_text_constraint_for_tool_choice_none():
     assert plan is not None
     assert isinstance(plan.constraint, PlainTextConstraint)
     assert plan.instruction is None
+
+
+def test_json_answer_options_open_a_value_of_its_schema_type():
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "n": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "meta": {"type": "object"},
+        },
+        "required": ["city", "n", "tags", "meta"],
+    }
+    c = JSONConstraint(schema)
+    assert c.options("") == ["{"]
+    assert c.options('{"city": ') == ['"']
+    assert c.options('{"city": "P", "n": ') == ["-", *"0123456789"]
+    assert c.options('{"city": "P", "n": 1, "tags": ') == ["["]
+    assert c.options('{"city": "P", "n": 1, "tags": [') == ['"', "]"]
+    assert c.options('{"city": "P", "n": 1, "tags": [], "meta": ') == ["{"]
+    for committed in ('{"city": ', '{"city": "P", "n": 1, "tags": ['):
+        for option in c.options(committed):  # every option keeps the answer valid
+            assert c(committed, option)
+    # tool arguments are coerced after parsing (a string may stand for a number): nothing to list
+    assert ToolCallConstraint(TOOLS).options('<tool_call>\n{"name": "get_weather", "arguments": {"city": ') == []
+
+
+def test_a_json_answer_never_takes_a_value_of_another_type():
+    from scripted import ScriptedMember
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    # round 2 writes a number where the schema wants a string: the constraint opens the string
+    a = ScriptedMember("a", [('{"city": ', False), ("100000}", True), ('Paris"}', True)])
+    result = _engine(a).generate(
+        "Hello!", response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    )
+    assert json.loads(result.text) == {"city": "Paris"}
+    assert "constraint" in [s.winner for s in result.segments]
+
+
+def test_a_json_answer_array_closes_at_max_items():
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+        "required": ["tags"],
+    }
+    c = JSONConstraint(schema)
+    assert c.options('{"tags": ["a"') == [", ", "]"]
+    assert c.options('{"tags": ["a", "b"') == ["]"]  # full: only the close is left
+    assert c('{"tags": ["a", "b"', "]}")
+    assert not c('{"tags": ["a", "b"', ', "c"]}')
+    assert c.trim('{"tags": ["a", "b"', ', "c"]}') == ""
+    empty = JSONConstraint({"type": "object", "properties": {"t": {"type": "array", "maxItems": 0}}})
+    assert empty.options('{"t": [') == ["]"]
+    assert not empty('{"t": [', "1]")
+
+
+def test_a_json_answer_ends_when_its_object_closes():
+    from scripted import ScriptedMember
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    c = JSONConstraint(schema)
+    assert not c.complete('{"a": 1')
+    assert c.complete('{"a": 1}\n')
+    assert not c.complete('{"a": "x"}')
+    # the member would go on with whitespace until the cap: the answer stops at the close
+    a = ScriptedMember("a", [('"a": 1}', False), ("\n\n\n\n", False)])
+    result = _engine(a, max_new_tokens=40).generate(
+        "Hello!", response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    )
+    assert result.finish_reason == "stop"
+    assert json.loads(result.text) == {"a": 1}
+    assert len(result.segments) == 1

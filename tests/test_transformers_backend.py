@@ -204,10 +204,28 @@ def test_token_healing_redraws_the_last_committed_token(members: dict[str, Any],
 
 
 def test_token_healing_in_the_engine(tiny_members: list[Any]) -> None:
-    healed = SpecEM(tiny_members, SpecEMConfig(segment_len=4, max_new_tokens=16, token_healing=True))
-    result = healed.generate([{"role": "user", "content": "Say hello."}])
+    """With ``token_healing`` every round's candidates are the members' healed drafts (each
+    member alone, after the earlier rounds' text), and healing changed at least one of them:
+    with healing off the engine's candidates are the plain drafts and this test fails."""
+    from engine_replay import replay_drafts
+
+    msgs = [{"role": "user", "content": "Write code to add numbers."}]
+    config = SpecEMConfig(segment_len=3, max_new_tokens=16, token_healing=True)
+    result = SpecEM(tiny_members, config).generate(msgs)
     assert result.excluded == []
-    assert result.text == "".join(seg.text for seg in result.segments)
+    drafts = replay_drafts(
+        tiny_members,
+        msgs,
+        result,
+        segment_len=3,
+        max_new_tokens=16,
+        feature=SamplingParams(token_healing=True),
+    )
+    assert len(result.segments) >= 2
+    for d in drafts:
+        assert d.engine == d.with_feature, f"round {d.round}, {d.member}: not the healed draft ({d})"
+    changed = [d for d in drafts if d.with_feature != d.without_feature]
+    assert changed, "healing changed no draft: this prompt does not exercise it"
     assert SpecEMConfig(faithful=True, token_healing=True).token_healing is False
 
 

@@ -98,6 +98,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     # goal 1's other half for v7 (the recommended configuration): trio-v7 without SmolLM2
     "pair-v7": {"members": [Q15, Q05], "config": {**V5, "trusted_opening_rounds": 1}, "weights": V4_WEIGHTS},
+    # quality v3 (code, issue 33): the two coder members under the paper's settings (no prior, no
+    # exit), beside the `quality` preset (the same pair, v7 settings and its shipped prior)
+    "pair-paper": {"members": [Q15, Q05], "config": {}},
 }
 
 

@@ -26,6 +26,9 @@ def table(task: str, figures: dict[str, dict[str, float]]) -> str:
     elif task == "gsm8k":
         head = "| configuration | n | accuracy | cut at the cap "
         keys = ("accuracy", "cut")
+    elif task == "humaneval":
+        head = "| configuration | n | pass@1 | cut at the cap "
+        keys = ("pass_at_1", "cut")
     else:
         head = "| configuration | n | accuracy | no letter named "
         keys = ("accuracy", "no_letter")
@@ -57,6 +60,7 @@ def report() -> str:
         ("gsm8k", f"GSM8K dev ({tasks.TASKS['gsm8k']} new tokens)"),
         ("ifeval", f"IFEval ({tasks.TASKS['ifeval']} new tokens)"),
         ("arc", f"ARC-Easy ({tasks.TASKS['arc']} new tokens)"),
+        ("humaneval", f"HumanEval ({tasks.TASKS['humaneval']} new tokens, graded in a sandbox)"),
     ):
         all_recs = {name: records(task, name) for name in configs.CONFIGS}
         all_recs = {name: recs for name, recs in all_recs.items() if recs}
@@ -144,7 +148,7 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
     plt.close(fig)
 
 
-HEADLINE = {"ifeval": "prompt_level_strict", "gsm8k": "accuracy", "arc": "accuracy"}
+HEADLINE = {"ifeval": "prompt_level_strict", "gsm8k": "accuracy", "arc": "accuracy", "humaneval": "pass_at_1"}
 
 
 def preset_results() -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import configs, tasks
 from .configs import calibrated_prior, crossfitted, fold_keys, state_path
-from .tasks import answered, load_rows, prompt_of
+from .tasks import answered, grade_humaneval, load_rows, prompt_of
 
 
 def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
@@ -80,7 +80,7 @@ def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed
         for row in progress(todo, f"{task}/{name}"):
             key, prompt = prompt_of(task, row)
             start = time.perf_counter()
-            result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=tasks.TASKS[task], seed=seed)
+            result = engine.generate([{"role": "user", "content": prompt}], seed=seed, **generation_options(task))
             record = {
                 "key": int(key) if task == "ifeval" else key,
                 "response": result.text,
@@ -92,11 +92,21 @@ def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed
                 "gated": [e.member for e in result.excluded if e.stage == "gate"],
                 "trace": [trace_round(seg) for seg in result.segments],
             }
+            if task == "humaneval":  # graded now, in the sandbox: the record says how the code ended
+                record.update(grade_humaneval(row, result.text))
             if engine.weights is not None:  # learned across requests: keep them with the answers
                 record["weights_after"] = engine.weights.current()
                 engine.weights.save(state_path(task, name, fold))
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
             fh.flush()
+
+
+def generation_options(task: str) -> dict[str, Any]:
+    """The per-request options every configuration answers a task's prompts with."""
+    options: dict[str, Any] = {"max_new_tokens": tasks.TASKS[task]}
+    if task in tasks.STOP:
+        options["stop"] = list(tasks.STOP[task])
+    return options
 
 
 def trace_round(seg: Any) -> dict[str, Any]:
@@ -126,7 +136,7 @@ def cost(task: str, names: Sequence[str], against: str, limit: int, seed: int = 
         entry: dict[str, Any] = {"key": key}
         for config, engine in engines.items():
             start = time.perf_counter()
-            result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=tasks.TASKS[task], seed=seed)
+            result = engine.generate([{"role": "user", "content": prompt}], seed=seed, **generation_options(task))
             entry[config] = {
                 "seconds": time.perf_counter() - start,
                 "tokens": result.usage.completion_tokens,

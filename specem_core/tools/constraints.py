@@ -95,6 +95,24 @@ def _value_options(schema: Any) -> list[str]:
     return []
 
 
+_OPENERS = {
+    "string": ['"'],
+    "object": ["{"],
+    "array": ["["],
+    "boolean": ["true", "false"],
+    "null": ["null"],
+    "integer": ["-", *"0123456789"],
+    "number": ["-", *"0123456789"],
+}
+
+
+def _value_openers(types: set[str] | None) -> list[str]:
+    """How a value of these JSON types can start (empty when any type goes)."""
+    if not types:
+        return []
+    return list(dict.fromkeys(o for t in sorted(types) for o in _OPENERS.get(t, [])))
+
+
 class _PrefixParser:
     """Recursive-descent JSON parser that accepts any prefix of a valid document.
 
@@ -217,7 +235,7 @@ class _PrefixParser:
     # values with schemas
     def value(self, schema: Any = None) -> None:
         schema = _resolve(schema, self.root) if schema else {}
-        self.end_or(*_value_options(schema))
+        self.end_or(*self._start_options(schema))
         ch = self.peek()
         variants = _variants(schema) if isinstance(schema, Mapping) else None
         types = _types(schema) if isinstance(schema, Mapping) and schema and variants is None else None
@@ -236,7 +254,11 @@ class _PrefixParser:
         if ch == "{":
             self.obj(schema if types is None or "object" in types else {})
         elif ch == "[":
-            self.arr(schema.get("items") if isinstance(schema, Mapping) else None)
+            max_items = schema.get("maxItems") if isinstance(schema, Mapping) else None
+            self.arr(
+                schema.get("items") if isinstance(schema, Mapping) else None,
+                max_items if isinstance(max_items, int) and not isinstance(max_items, bool) else None,
+            )
         elif ch == '"':
             enum = schema.get("enum") if isinstance(schema, Mapping) else None
             allowed = [e for e in enum if isinstance(e, str)] if isinstance(enum, list) else None
@@ -249,6 +271,15 @@ class _PrefixParser:
             self.literal()
         else:
             raise _Invalid(f"unexpected {ch!r}")
+
+    def _start_options(self, schema: Any) -> list[str]:
+        """How a value of ``schema`` can start, where that can be listed (enums, booleans; in a
+        JSON answer, which is returned as written, also the opening character of its type: the
+        ensemble takes one of these when every candidate writes a value of another type)."""
+        options = _value_options(schema)
+        if not options and self.strict and isinstance(schema, Mapping) and _variants(schema) is None:
+            options = _value_openers(_types(schema))
+        return options
 
     def value_then(self, schema: Any, after: Sequence[str]) -> None:
         """:meth:`value`; when the text ends in a value that may also end there, what may follow
@@ -342,16 +373,27 @@ class _PrefixParser:
                 return
             raise _Invalid(f"expected ',' or '}}' at {self.i}")
 
-    def arr(self, items: Any) -> None:
+    def arr(self, items: Any, max_items: int | None = None) -> None:
+        """An array; with ``max_items`` (the schema's ``maxItems``) it closes after that many."""
         self.expect("[")
-        self.ws()
+        if max_items is not None and max_items <= 0:
+            self.end_or("]")
+            if self.peek() != "]":
+                raise _Invalid("the array must be empty (maxItems)")
+        first = self._start_options(_resolve(items, self.root) if items else {})
+        self.end_or(*first, *(["]"] if first else []))
         if self.peek() == "]":
             self.i += 1
             return
+        count = 0
         while True:
-            self.value_then(items, [", ", "]"])
-            self.end_or(", ", "]")
+            count += 1
+            after = ["]"] if max_items is not None and count >= max_items else [", ", "]"]
+            self.value_then(items, after)
+            self.end_or(*after)
             ch = self.peek()
+            if ch == "," and len(after) == 1:
+                raise _Invalid(f"more than maxItems={max_items} items")
             if ch == ",":
                 self.i += 1
                 continue
@@ -535,19 +577,29 @@ class JSONConstraint:
     def __call__(self, committed: str, candidate: str) -> bool:
         return self.accepts(committed + candidate)
 
-    def accepts(self, text: str) -> bool:
-        """Whether ``text`` is a prefix of a JSON object fitting the schema."""
+    def _state(self, text: str) -> str:
+        """``"prefix"`` (empty or unfinished), ``"complete"`` (a whole object, then only
+        whitespace) or ``"invalid"``."""
         parser = _PrefixParser(text, self._schema, strict=True)
         try:
             parser.ws()
             if parser.i >= len(text):
-                return True
+                return "prefix"
             parser.value(self._schema)
         except _Incomplete:
-            return True
+            return "prefix"
         except _Invalid:
-            return False
-        return not text[parser.i :].strip()
+            return "invalid"
+        return "complete" if not text[parser.i :].strip() else "invalid"
+
+    def accepts(self, text: str) -> bool:
+        """Whether ``text`` is a prefix of a JSON object fitting the schema."""
+        return self._state(text) != "invalid"
+
+    def complete(self, text: str) -> bool:
+        """Whether ``text`` is a whole JSON object fitting the schema (only whitespace may follow
+        it, so the answer is over: the engine ends it with ``stop``)."""
+        return self._state(text) == "complete"
 
     def forced(self, committed: str) -> str:
         """The only valid continuation of the JSON answer at the end of ``committed``, if any."""

@@ -319,3 +319,7 @@ class _Both:
     def options(self, committed: str) -> list[str]:
         options = getattr(self.first, "options", None)
         return [o for o in (options(committed) if options else []) if self.second(committed, o)]
+
+    def complete(self, text: str) -> bool:
+        checks = [getattr(c, "complete", None) for c in (self.first, self.second)]
+        return any(bool(check(text)) for check in checks if check is not None)

@@ -138,7 +138,9 @@ def trace(result: GenerationResult) -> dict[str, Any]:
             }
             for s in result.segments
         ],
-        "excluded": [{"member": e.member, "stage": e.stage, "error": e.error} for e in result.excluded],
+        "excluded": [
+            {"member": e.member, "stage": e.stage, "round": e.round, "error": e.error} for e in result.excluded
+        ],
         "usage_per_member": [
             {"member": u.member, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
             for u in result.usage.per_member

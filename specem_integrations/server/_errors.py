@@ -94,6 +94,16 @@ def timed_out(seconds: float) -> APIError:
     )
 
 
+def shutting_down() -> APIError:
+    """503: the server shut down before the answer was done (its grace period ran out)."""
+    return APIError(
+        503,
+        "The server is shutting down and ended this answer before it was done; retry on another instance.",
+        type="server_error",
+        code="server_shutting_down",
+    )
+
+
 def internal_error(message: str = "The server had an error while processing your request.") -> APIError:
     """500 ``server_error``."""
     return APIError(500, message, type="server_error", code="internal_error")

@@ -72,6 +72,10 @@ class SpecEMOptions(BaseModel):
 
     trace: bool = False
     """Return the per-round trace (candidates, scores, weights, winners)."""
+    preset: str | None = None
+    """A preset's settings for this request (``specem presets``): allowed when the preset's members
+    are the server's members; its fields apply first and the other fields here override them. The
+    member weights stay the server's (start the server with ``--preset`` for the preset's prior)."""
     segment_len: int | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
@@ -100,7 +104,7 @@ class SpecEMOptions(BaseModel):
     member_retries: int | None = None
 
 
-REQUEST_FIELDS = tuple(name for name in SpecEMOptions.model_fields if name != "trace")
+REQUEST_FIELDS = tuple(name for name in SpecEMOptions.model_fields if name not in ("trace", "preset"))
 """The SpecEMConfig fields a request's ``specem`` object may set."""
 
 
@@ -277,12 +281,37 @@ def engine_messages(messages: Sequence[MessageIn]) -> list[dict[str, Any]]:
         raise invalid_request(str(exc), "messages", "invalid_value") from None
 
 
+def _preset_settings(name: str, members: Sequence[str]) -> dict[str, Any]:
+    """The request fields a per-request preset sets, or a 400 saying why it cannot apply here."""
+    from specem_core.presets import get_preset
+
+    try:
+        preset = get_preset(name)
+    except ConfigError as exc:
+        raise invalid_request(str(exc), "specem.preset", "invalid_value") from None
+    if sorted(preset.members) != sorted(members):
+        raise invalid_request(
+            f"preset {name!r} runs members {', '.join(preset.members)}; this server runs "
+            f"{', '.join(members) or 'other members'} (start a server with --preset {name} for it).",
+            "specem.preset",
+            "invalid_value",
+        )
+    return {key: value for key, value in preset.config.items() if key in REQUEST_FIELDS}
+
+
 def _unsupported(message: str, param: str) -> APIError:
     return invalid_request(message, param, "unsupported_parameter")
 
 
-def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header: bool = False) -> EngineCall:
-    """Check a parsed request against what SpecEM supports and turn it into an engine call.
+def build_call(
+    req: ChatCompletionRequest,
+    config: SpecEMConfig,
+    *,
+    trace_header: bool = False,
+    members: Sequence[str] = (),
+) -> EngineCall:
+    """Check a parsed request against what SpecEM supports and turn it into an engine call
+    (``members``: the server's member names, which a per-request ``specem.preset`` must match).
 
     Raises:
         APIError: 400 naming the parameter.
@@ -340,6 +369,9 @@ def build_call(req: ChatCompletionRequest, config: SpecEMConfig, *, trace_header
         if stops:
             put("stop", (*config.stop, *stops), "stop")
     options = req.specem or SpecEMOptions()
+    if options.preset is not None:
+        for key, value in _preset_settings(options.preset, members).items():
+            put(key, value, "specem.preset")
     for name in REQUEST_FIELDS:
         put(name, getattr(options, name), f"specem.{name}")
     for key, value in overrides.items():  # each override alone, so that the error names its parameter

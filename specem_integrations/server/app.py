@@ -56,9 +56,11 @@ from specem_integrations.server._errors import (
     invalid_request,
     model_not_found,
     queue_full,
+    shutting_down,
     timed_out,
     unauthorized,
 )
+from specem_integrations.server._playground import playground_routes
 from specem_integrations.server._protocol import (
     TRACE_HEADER,
     ChunkWriter,
@@ -124,21 +126,33 @@ class _DisconnectWatch:
                 await self._task
 
 
-async def _guarded(work: Awaitable[T], watch: _DisconnectWatch, deadline: float | None) -> T:
-    """Await ``work`` unless the client goes away or the deadline passes first; then ``work`` is
-    cancelled (and awaited, so that what it held is released) and the reason raised."""
+class _ShuttingDownError(Exception):
+    """The server's shutdown grace period ran out before the answer was done."""
+
+
+async def _guarded(
+    work: Awaitable[T], watch: _DisconnectWatch, deadline: float | None, stop: asyncio.Event | None = None
+) -> T:
+    """Await ``work`` unless the client goes away, the deadline passes or ``stop`` is set first;
+    then ``work`` is cancelled (and awaited, so that what it held is released) and the reason raised."""
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(watch.gone.wait())
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
     try:
         timeout = None if deadline is None else max(0.0, deadline - loop.time())
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waits = {task, gone} if stopped is None else {task, gone, stopped}
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
-        reason: Exception = _ClientGoneError() if gone in done else _TimedOutError()
+        reason: Exception = (
+            _ClientGoneError() if gone in done else _ShuttingDownError() if stopped in done else _TimedOutError()
+        )
         raise reason
     finally:
         gone.cancel()
+        if stopped is not None:
+            stopped.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
@@ -170,12 +184,14 @@ class _EventStream(StreamingResponse):
         on_timeout: Callable[[], bytes],
         finish: Callable[[Outcome | None], Awaitable[None]],
         headers: dict[str, str],
+        stop: asyncio.Event | None = None,
     ) -> None:
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self._watch = watch
         self._deadline = deadline
         self._on_timeout = on_timeout
         self._finish = finish
+        self._stop = stop
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.body_iterator:
@@ -187,9 +203,15 @@ class _EventStream(StreamingResponse):
         outcome: Outcome | None = None  # None: as the body generator recorded it
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            await _guarded(self._pump(send), self._watch, self._deadline)
+            await _guarded(self._pump(send), self._watch, self._deadline, self._stop)
         except (_ClientGoneError, OSError):
             outcome = "cancelled"
+        except _ShuttingDownError:  # the answer ends with an error event, then [DONE]
+            outcome = "cancelled"
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": error_event(shutting_down()), "more_body": True})
+                await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except _TimedOutError:
             outcome = "timed_out"
             with contextlib.suppress(Exception):
@@ -228,7 +250,7 @@ class _Server:
         self.sessions = SessionCounter()
         if count_sessions:
             members = [CountedMember(m, self.sessions) for m in engine.members]
-            engine = SpecEM(members, engine.config)
+            engine = SpecEM(members, engine.config, weights=engine.weights)  # the member weights too
         self.engine = engine
         self.member_names = [m.name for m in engine.members]
         self._key = api_key.encode() if api_key is not None else None
@@ -239,6 +261,16 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.stats = Stats()
         self.started = time.time()
+        self.stopping = asyncio.Event()
+        """Set when the shutdown grace period runs out: answers in flight end with an error."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def end_answers_after(self, seconds: float) -> None:
+        """End the answers still in flight ``seconds`` from now (thread- and signal-safe): a stream
+        gets a ``server_shutting_down`` error event and ``[DONE]``, a JSON request a 503."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.call_later, max(0.0, seconds), self.stopping.set)
 
     def __repr__(self) -> str:
         auth = "on" if self._key is not None else "off"
@@ -456,11 +488,14 @@ class _Server:
             if req.model is not None and req.model != self.model_name:
                 raise model_not_found(req.model)
             trace_header = request.headers.get(TRACE_HEADER, "").strip().lower() in ("1", "true", "yes")
-            call = build_call(req, self.engine.config, trace_header=trace_header)
+            call = build_call(
+                req, self.engine.config, trace_header=trace_header, members=[m.name for m in self.engine.members]
+            )
         except APIError:
             self.stats.add("invalid")
             raise
         loop = asyncio.get_running_loop()
+        self._loop = loop
         job = _Job(
             call=call,
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -494,10 +529,11 @@ class _Server:
                     on_timeout=lambda: error_event(timed_out(seconds)),
                     finish=finish,
                     headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                    stop=self.stopping,
                 )
                 handed_over = True
                 return response
-            result = await _guarded(self.collect(agen), watch, job.deadline)
+            result = await _guarded(self.collect(agen), watch, job.deadline, self.stopping)
             job.outcome = "completed"
             body_out = completion_body(
                 result, request_id=job.request_id, created=job.created, model=self.model_name, trace=call.trace
@@ -509,6 +545,9 @@ class _Server:
         except _TimedOutError:
             job.outcome = "timed_out"
             raise timed_out(self.request_timeout or 0.0) from None
+        except _ShuttingDownError:
+            job.outcome = "cancelled"
+            raise shutting_down() from None
         except APIError:
             raise
         except Exception as exc:
@@ -554,6 +593,7 @@ def create_app(
     model_name: str = "specem",
     count_sessions: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ui: bool = False,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app serving ``engine`` as one model.
 
@@ -570,8 +610,11 @@ def create_app(
         request_timeout: seconds from arrival (queue wait included); ``None`` or 0: no limit.
         model_name: the model id clients name (``GET /v1/models``); another name is a 404.
         count_sessions: wrap each member to count open sessions for ``/health`` (the members'
-            weights stay shared; the served engine is ``SpecEM(wrapped members, engine.config)``).
+            weights stay shared; the served engine is ``SpecEM(wrapped members, engine.config,
+            weights=engine.weights)``).
         max_body_bytes: larger request bodies are refused with 413.
+        ui: serve the browser playground on ``GET /`` (one page and its assets under
+            ``/playground/``, package data; it uses only the public endpoints). Off: ``/`` is 404.
 
     Raises:
         ValueError: a bad limit, an empty ``model_name`` or an empty ``api_key``.
@@ -592,6 +635,8 @@ def create_app(
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
+    if ui:
+        routes += playground_routes()
     app = Starlette(
         routes=routes,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},

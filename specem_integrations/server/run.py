@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
 
 from starlette.applications import Starlette
 
@@ -42,6 +48,46 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+_END_MARGIN = 1.0
+"""Seconds before uvicorn's own deadline at which answers still in flight are ended with an
+error event, so that each stream closes cleanly rather than being cut off."""
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class _GracefulServer(uvicorn.Server):
+        """uvicorn's server, telling the app when the shutdown grace period is about to run out."""
+
+        def __init__(self, config: uvicorn.Config, end_answers_after: Any, grace: float | None) -> None:
+            super().__init__(config)
+            self._end_answers_after = end_answers_after
+            self._grace = grace
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and self._grace is not None and self._end_answers_after is not None:
+                self._end_answers_after(max(0.0, self._grace - min(_END_MARGIN, self._grace / 4)))
+
+    return _GracefulServer
+
+
+@contextlib.contextmanager
+def _exit_signals_handled() -> Iterator[None]:
+    """uvicorn re-raises the SIGINT / SIGTERM it shut down on once it is done; absorbed here, so
+    that a completed graceful shutdown ends the process with status 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_server(
     app: Starlette,
     sock: socket.socket,
@@ -53,8 +99,10 @@ def run_server(
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM, then shut down gracefully.
 
     On a signal uvicorn stops accepting connections and lets requests in flight finish for up to
-    ``graceful_timeout`` seconds; it then cancels them (the engine stops after the round in
-    progress and closes the member sessions).
+    ``graceful_timeout`` seconds. Shortly before that (a second, or a quarter of a shorter grace
+    period) the answers still running are ended: a stream gets a ``server_shutting_down`` error
+    event and ``[DONE]``, a JSON request a 503 with that code; the engine stops after the round in
+    progress and closes the member sessions. The process then exits normally (status 0).
 
     Returns:
         False when the server could not start.
@@ -78,6 +126,9 @@ def run_server(
         timeout_graceful_shutdown=math.ceil(graceful_timeout) if graceful_timeout else None,
         lifespan="off",
     )
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    grace = float(config.timeout_graceful_shutdown) if config.timeout_graceful_shutdown else None
+    specem = getattr(app.state, "specem", None)
+    server = _server_class()(config, getattr(specem, "end_answers_after", None), grace)
+    with _exit_signals_handled():
+        server.run(sockets=[sock])
     return bool(server.started)

@@ -63,6 +63,17 @@ class ServeProcess:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-n:])
 
+    def wait_health(self, timeout: float = 60.0, **expected: int) -> dict[str, Any]:
+        """Poll ``/health`` until each ``expected`` counter has its value (``requests_queued=1``…)."""
+        deadline = time.monotonic() + timeout
+        health = self.health()
+        while time.monotonic() < deadline:
+            health = self.health()
+            if all(health[k] == v for k, v in expected.items()):
+                return health
+            time.sleep(0.05)
+        raise AssertionError(f"/health never showed {expected}: {health}")
+
     def wait_idle(self, timeout: float = 60.0) -> dict[str, Any]:
         """Poll ``/health`` until no request runs or waits and no session or engine worker is left."""
         deadline = time.monotonic() + timeout

@@ -29,17 +29,6 @@ def _long_body(model: str, max_tokens: int = 2000, stream: bool = True) -> dict[
     }
 
 
-def _wait_health(server: ServeProcess, timeout: float = 30.0, **expected: int) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    health = server.health()
-    while time.monotonic() < deadline:
-        health = server.health()
-        if all(health[k] == v for k, v in expected.items()):
-            return health
-        time.sleep(0.05)
-    raise AssertionError(f"/health never showed {expected}: {health}")
-
-
 # -- auth ----------------------------------------------------------------------------------------
 def test_auth_required_and_key_never_echoed(auth_server: ServeProcess) -> None:
     url = f"{auth_server.base_url}/chat/completions"
@@ -95,10 +84,10 @@ def test_queue_full_is_429_and_timeouts_are_504(auth_server: ServeProcess) -> No
 
     first = threading.Thread(target=running)
     first.start()
-    _wait_health(auth_server, requests_in_flight=1)
+    auth_server.wait_health(timeout=30.0, requests_in_flight=1)
     second = threading.Thread(target=queued)
     second.start()
-    _wait_health(auth_server, requests_queued=1)
+    auth_server.wait_health(timeout=30.0, requests_queued=1)
 
     refused = httpx.post(url, json=_long_body("ensemble-a", 4, stream=False), headers=headers, timeout=30)
     assert refused.status_code == 429

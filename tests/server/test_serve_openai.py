@@ -191,7 +191,8 @@ def test_response_format_json(client: openai.OpenAI) -> None:
     )
     assert completion.choices[0].finish_reason == "stop"
     value = json.loads(completion.choices[0].message.content or "")
-    assert set(value) == {"city", "country"}  # (value types: the engine's JSON constraint lets numbers into strings)
+    assert set(value) == {"city", "country"}  # parses, with exactly the required keys
+    # (the value types: test_json_schema_types_end_to_end)
     obj = client.chat.completions.create(
         model="specem",
         messages=[{"role": "user", "content": "Give a JSON object with a key 'city'."}],
@@ -200,6 +201,83 @@ def test_response_format_json(client: openai.OpenAI) -> None:
     )
     assert obj.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+
+
+def _validate(value: Any, schema: dict[str, Any]) -> None:
+    """``value`` fits ``schema``: with ``jsonschema`` when it is installed, else by hand (the
+    keywords these tests use: type, properties, required, items, enum, additionalProperties)."""
+    try:
+        import jsonschema
+    except ImportError:
+        _check_by_hand(value, schema, "$")
+    else:
+        jsonschema.validate(value, schema)
+
+
+def _check_by_hand(value: Any, schema: dict[str, Any], where: str) -> None:
+    kinds = {
+        "object": dict,
+        "array": list,
+        "string": str,
+        "boolean": bool,
+        "integer": int,
+        "number": (int, float),
+    }
+    kind = schema.get("type")
+    if kind is not None:
+        assert isinstance(value, kinds[kind]), f"{where}: {value!r} is not {kind}"
+        if kind in ("integer", "number"):
+            assert not isinstance(value, bool), f"{where}: {value!r} is a boolean, not {kind}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+    if kind == "object":
+        assert set(schema.get("required", ())) <= set(value), f"{where}: missing {schema.get('required')}"
+        props = schema.get("properties", {})
+        if schema.get("additionalProperties") is False:
+            assert set(value) <= set(props), f"{where}: unexpected keys {sorted(set(value) - set(props))}"
+        for key, sub in props.items():
+            if key in value:
+                _check_by_hand(value[key], sub, f"{where}.{key}")
+    if kind == "array" and "items" in schema:
+        for n, item in enumerate(value):
+            _check_by_hand(item, schema["items"], f"{where}[{n}]")
+
+
+def test_json_schema_types_end_to_end(client: openai.OpenAI) -> None:
+    """A schema with an integer, a number, a boolean, an array, an enum and a nested object, all
+    required: the served answer parses and fits it (each type as written, not a string for it)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "population_millions": {"type": "number"},
+            "founded": {"type": "integer"},
+            "is_capital": {"type": "boolean"},
+            # maxItems: the small test member would otherwise list landmarks until the token cap
+            "landmarks": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "size": {"type": "string", "enum": ["small", "medium", "large"]},
+            "country": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "code": {"type": "string"}},
+                "required": ["name", "code"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "population_millions", "founded", "is_capital", "landmarks", "size", "country"],
+        "additionalProperties": False,
+    }
+    completion = client.chat.completions.create(
+        model="specem",
+        messages=[{"role": "user", "content": "Describe the city of Paris as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        max_tokens=160,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    value = json.loads(choice.message.content or "")
+    _validate(value, schema)
+    _check_by_hand(value, schema, "$")  # both ways: the hand check is what runs without jsonschema
+    assert set(value) == set(schema["required"])
 
 
 def test_trace_only_when_asked(open_server: ServeProcess) -> None:

@@ -5,7 +5,10 @@ requests of a member), exposed through a synchronous facade (:func:`run_sync`) f
 worker threads and through :func:`run_async` for async callers. Retries with exponential backoff
 and jitter on 429 (``Retry-After`` honoured), 408, 5xx and connection errors / timeouts;
 in-flight requests are cancelled through :class:`Inflight` (``session.cancel()``,
-``session.close()``) and by asyncio task cancellation. API keys and header values are held as
+``session.close()``) and by asyncio task cancellation. A :class:`CircuitBreaker` per server
+(:class:`BreakerPolicy`) stops sending to a server that keeps failing at the transport level, so
+that while it is down requests fail at once instead of each paying connect attempts, retries and
+backoff; after a cool-down one request probes it again. API keys and header values are held as
 :class:`pydantic.SecretStr`: they never appear in ``repr``, log records or error messages.
 """
 
@@ -19,14 +22,21 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import SecretStr
 
-from specem_core.backends.http.errors import HTTPMemberError, RequestCancelledError, ServerResponseError
+from specem_core.backends.http.errors import (
+    HTTPMemberError,
+    RequestCancelledError,
+    ServerResponseError,
+    ServerUnavailableError,
+)
 
 log = logging.getLogger("specem.http")
 
@@ -177,6 +187,168 @@ class RetryPolicy:
         return float(delay * (0.5 + random.random()))
 
 
+# -- circuit breaker ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """When a server counts as down, and when it is tried again (:class:`CircuitBreaker`).
+
+    * **closed** (normal): requests go through; ``failures_to_open`` transport failures in a row
+      (connection refused or reset, connect / read timeouts, a connection closed mid-answer:
+      ``httpx.TransportError``; HTTP error statuses do not count) open the breaker.
+    * **open**: every request fails at once with
+      :class:`~specem_core.backends.http.errors.ServerUnavailableError` (no connection attempt,
+      no retry, no backoff), so the engine excludes the member from the request right away.
+    * **half-open**: once ``cool_down`` seconds have passed, the next request is let through as a
+      probe (one at a time; others still fail at once). If it gets an answer the breaker closes;
+      if it fails the breaker opens again and the cool-down doubles, up to ``max_cool_down``.
+    """
+
+    failures_to_open: int = 3
+    cool_down: float = 5.0
+    """Seconds before the first probe of a server found down."""
+    max_cool_down: float = 30.0
+    """The cool-down doubles after each failed probe, up to this."""
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.failures_to_open < 1:
+            raise ValueError(f"failures_to_open must be at least 1, got {self.failures_to_open}")
+        if not 0 <= self.cool_down <= self.max_cool_down:
+            raise ValueError(
+                f"need 0 <= cool_down <= max_cool_down, got cool_down={self.cool_down}, "
+                f"max_cool_down={self.max_cool_down}"
+            )
+
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+class CircuitBreaker:
+    """The health of one server as its clients see it (see :class:`BreakerPolicy`); thread-safe.
+
+    Shared by every :class:`OpenAIClient` of the same server URL and transport
+    (:func:`breaker_for`), so members that use one server learn together that it is down.
+    """
+
+    def __init__(self, key: str, policy: BreakerPolicy | None = None, *, clock: Callable[[], float] = time.monotonic):
+        self.key = key
+        self.policy = policy or BreakerPolicy()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._cool_down = self.policy.cool_down
+        self._probing = False
+        self.last_error = ""
+        self.opened = 0
+        """Times the breaker opened (a failed probe counts again)."""
+        self.rejected = 0
+        """Requests refused at once while open."""
+
+    def __repr__(self) -> str:
+        return f"CircuitBreaker({self.key!r}, state={self.state!r}, failures={self._failures})"
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> BreakerState:
+        if self._opened_at is None:
+            return "closed"
+        if self._probing or self._clock() - self._opened_at < self._cool_down:
+            return "open"
+        return "half_open"
+
+    def before_request(self) -> bool:
+        """Admit a request attempt (``True`` when it is the half-open probe).
+
+        Raises:
+            ServerUnavailableError: the breaker is open (or another request is probing).
+        """
+        if not self.policy.enabled:
+            return False
+        with self._lock:
+            state = self._state()
+            if state == "closed":
+                return False
+            if state == "half_open":
+                self._probing = True
+                return True
+            self.rejected += 1
+            assert self._opened_at is not None
+            left = max(0.0, self._cool_down - (self._clock() - self._opened_at))
+            when = "a probe is in flight" if self._probing else f"next probe in {left:.1f}s"
+            raise ServerUnavailableError(
+                f"circuit open for {self.key}: {self._failures} transport failures in a row, "
+                f"last: {self.last_error or 'unknown'}; not contacted ({when})"
+            )
+
+    def record_success(self) -> None:
+        """The server answered (any HTTP status): close the breaker."""
+        with self._lock:
+            self._failures = 0
+            self._opened_at = None
+            self._probing = False
+            self._cool_down = self.policy.cool_down
+
+    def release_probe(self) -> None:
+        """The probe was cancelled before an answer: the next request probes instead."""
+        with self._lock:
+            self._probing = False
+
+    def record_failure(self, error: str, *, probe: bool) -> None:
+        """A transport failure: count it; open (or re-open, after a failed probe) when due."""
+        if not self.policy.enabled:
+            return
+        with self._lock:
+            self._failures += 1
+            self.last_error = error
+            if probe or self._probing:
+                self._probing = False
+                self._cool_down = min(self.policy.max_cool_down, max(self._cool_down * 2, 1e-3))
+                self._opened_at = self._clock()
+                self.opened += 1
+                log.warning("%s: probe failed; circuit open again for %.1fs (%s)", self.key, self._cool_down, error)
+            elif self._opened_at is None and self._failures >= self.policy.failures_to_open:
+                self._opened_at = self._clock()
+                self.opened += 1
+                log.warning(
+                    "%s: %d transport failures in a row; circuit open for %.1fs (%s)",
+                    self.key,
+                    self._failures,
+                    self._cool_down,
+                    error,
+                )
+
+
+_breakers: dict[str, CircuitBreaker] = {}
+"""Breakers of the servers reached over the network, by origin."""
+_breakers_by_transport: weakref.WeakKeyDictionary[httpx.AsyncBaseTransport, dict[str, CircuitBreaker]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Breakers of custom transports (tests' mock servers), forgotten with their transport."""
+_breakers_lock = threading.Lock()
+
+
+def breaker_for(
+    base_url: str, policy: BreakerPolicy | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> CircuitBreaker:
+    """The breaker shared by the clients of ``base_url``'s server (scheme, host and port) over
+    ``transport`` (the network by default; a test's mock transport gets its own). The first
+    caller's policy is kept; a later caller passing another policy replaces it."""
+    parts = urlsplit(base_url)
+    origin = f"{parts.scheme}://{parts.netloc}"
+    with _breakers_lock:
+        table = _breakers if transport is None else _breakers_by_transport.setdefault(transport, {})
+        breaker = table.get(origin)
+        if breaker is None:
+            breaker = table[origin] = CircuitBreaker(origin, policy)
+        elif policy is not None and policy != breaker.policy:
+            breaker.policy = policy
+        return breaker
+
+
 def _retryable_status(status: int) -> bool:
     return status in (408, 429) or (500 <= status < 600 and status not in (501, 505))
 
@@ -208,6 +380,8 @@ class OpenAIClient:
         retry: the :class:`RetryPolicy`.
         transport: an ``httpx.AsyncBaseTransport`` (tests use ``httpx.MockTransport``).
         max_connections: connection pool size.
+        breaker: the :class:`BreakerPolicy` of this server's :class:`CircuitBreaker` (shared with
+            the other clients of the same server; default ``BreakerPolicy()``).
     """
 
     def __init__(
@@ -221,8 +395,10 @@ class OpenAIClient:
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 32,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        breaker: BreakerPolicy | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.breaker = breaker_for(self.base_url, breaker, transport)
         self._api_key = _secret(api_key)
         self._headers: dict[str, SecretStr] = {k: s for k, v in (headers or {}).items() if (s := _secret(v))}
         self.timeout = (
@@ -281,6 +457,7 @@ class OpenAIClient:
         url = path if path.startswith("/") else f"/{path}"
         attempt = 0
         while True:
+            probe = self.breaker.before_request()  # raises at once while the server is known down
             self.requests += 1
             wait: float | None = None
             try:
@@ -290,9 +467,17 @@ class OpenAIClient:
                 response = await client.request(method, url, json=payload, **kwargs)
             except httpx.TransportError as exc:  # connection errors, timeouts, truncated bodies
                 message = self.redact(f"{type(exc).__name__} on {method} {url}: {exc}".rstrip(": "))
+                self.breaker.record_failure(message, probe=probe)
                 if attempt >= max_retries:
                     raise HTTPMemberError(f"{message} (after {attempt + 1} attempts)") from None
+                if self.breaker.state == "open":  # no backoff before an attempt that would be refused
+                    raise ServerUnavailableError(f"{message} (circuit now open for {self.breaker.key})") from None
+            except BaseException:  # cancelled: says nothing about the server
+                if probe:
+                    self.breaker.release_probe()
+                raise
             else:
+                self.breaker.record_success()
                 if response.is_success:
                     try:
                         return response.json()

@@ -32,3 +32,8 @@ class CapabilityError(HTTPMemberError):
 
 class RequestCancelledError(HTTPMemberError):
     """The request was cancelled (``session.cancel()`` / ``close()``) before it finished."""
+
+
+class ServerUnavailableError(HTTPMemberError):
+    """Not sent: the server's circuit breaker is open (it failed repeatedly and its cool-down has
+    not passed; see :class:`~specem_core.backends.http.client.BreakerPolicy`)."""

@@ -70,6 +70,7 @@ from specem_core.backends.http.alignment import (
     span_logprobs,
 )
 from specem_core.backends.http.client import (
+    BreakerPolicy,
     Inflight,
     OpenAIClient,
     RetryPolicy,
@@ -334,6 +335,9 @@ class OpenAIHTTPMember:
         extra_body: fields merged into every request body (server-specific knobs).
         strict_scoring: raise instead of bounding a log-prob a shifted server did not list.
         transport: ``httpx`` transport (``httpx.MockTransport`` in tests).
+        breaker: the circuit breaker policy of this member's server
+            (:class:`~specem_core.backends.http.client.BreakerPolicy`): while the server is down the
+            member is excluded from requests at once, and used again once a probe gets an answer.
     """
 
     def __init__(
@@ -363,6 +367,7 @@ class OpenAIHTTPMember:
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 32,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        breaker: BreakerPolicy | None = None,
     ) -> None:
         if draft_mode not in ("auto", "completions", "chat_prefill", "chat_continue"):
             raise ValueError(f"unknown draft_mode {draft_mode!r}")
@@ -377,6 +382,7 @@ class OpenAIHTTPMember:
             transport=transport,
             max_connections=max_connections,
             sleep=sleep,
+            breaker=breaker,
         )
         self.base_url = self.client.base_url
         self.model = model
@@ -668,7 +674,14 @@ class OpenAIHTTPMember:
         return None
 
     async def _probe_max_tokens_zero(self, sent: str) -> MaxTokensZero:
-        payload = self.body(prompt=sent, max_tokens=0, stop=[",", "\n", " ", "."], **self.greedy_body())
+        """What ``max_tokens=0`` does in the request scoring sends (``echo`` + ``logprobs``):
+        ``"zero"`` when the server echoes the prompt with its log-probs and generates nothing (vLLM's
+        echo without generation), ``"unlimited"`` when it generates anyway (llama-cpp-python: 0 is
+        no limit; the stop strings end it at once), ``"rejected"`` on a 4xx. Only ``"zero"`` makes
+        scoring send 0; anything else sends 1 and ignores the generated token."""
+        payload = self.body(
+            prompt=sent, max_tokens=0, echo=True, logprobs=1, stop=[",", "\n", " ", "."], **self.greedy_body()
+        )
         try:
             answer = await self.client.request_json("POST", "/completions", payload, timeout=20.0, retries=0)
         except HTTPMemberError as exc:
@@ -676,12 +689,15 @@ class OpenAIHTTPMember:
                 return "rejected"
             return "unlimited" if exc.status is None else "unknown"
         try:
-            choice = _first_choice(answer)
+            echo = parse_echo_logprobs(answer)  # the prompt's log-probs, as scoring reads them
         except ServerResponseError:
             return "unknown"
         usage = answer.get("usage") if isinstance(answer, dict) else None
         generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if generated == 0 and not choice.get("text"):
+        # vLLM generates one token for an echo without generation, drops it and still counts it
+        # (measured: completion_tokens 1, text and log-probs the prompt's only)
+        drops_its_token = self._server() in ("vllm", "sglang")
+        if echo.text == sent and (generated == 0 or drops_its_token):
             return "zero"
         return "unlimited"
 
