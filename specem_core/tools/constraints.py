@@ -554,14 +554,7 @@ class ToolCallConstraint:
 
     def trim(self, committed: str, candidate: str) -> str:
         """The longest prefix of ``candidate`` that keeps ``committed + prefix`` acceptable."""
-        lo, hi = 0, len(candidate)
-        while lo < hi:  # acceptability is prefix-closed: binary search
-            mid = (lo + hi + 1) // 2
-            if self(committed, candidate[:mid]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return candidate[:lo]
+        return _longest_accepted_prefix(self, committed, candidate)
 
 
 class JSONConstraint:
