@@ -12,6 +12,7 @@ from specem_core.errors import ConfigError
 from specem_core.types import check_unicode
 
 Scoring = Literal["mean_logit", "mean_logprob"]
+SegmentBoundary = Literal["tokens", "line"]
 Normalization = Literal["sum", "softmax"]
 NonPositiveRule = Literal["softmax", "raw"]
 HedgeDecay = Literal["sqrt", "inverse"]
@@ -27,6 +28,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "token_healing": False,
     "self_vote": "keep",
     "trusted_opening_rounds": 0,
+    "segment_boundary": "tokens",
 }
 
 
@@ -37,7 +39,8 @@ class SpecEMConfig:
     Per-request overrides go through :meth:`replace` (``engine.generate(msgs, max_new_tokens=64)``),
     which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
     ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
-    ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False`` and ``token_healing=False``. Each production
+    ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False``, ``token_healing=False``,
+    ``self_vote="keep"``, ``trusted_opening_rounds=0`` and ``segment_boundary="tokens"``. Each production
     default that differs from the authors' code is one of those named options.
 
     Example:
@@ -47,6 +50,11 @@ class SpecEMConfig:
 
     segment_len: int = 10
     """Tokens each drafter proposes per round (L). The paper uses 10."""
+    segment_boundary: SegmentBoundary = "tokens"
+    """Where a draft ends besides ``segment_len``: ``"tokens"`` (the paper: only the length), or
+    ``"line"``: also at its first line end (the newline and the whitespace right after it), so
+    that candidates are whole lines (of code) and the vote compares like with like. A drafter
+    stops there itself; the engine cuts any draft that runs past one (e.g. an HTTP member)."""
     max_new_tokens: int = 256
     """Cap on the response, counted in the first member's tokens."""
     temperature: float = 0.0
@@ -180,6 +188,7 @@ class SpecEMConfig:
         if not (0.0 <= float(self.exit_min_prob) < 1.0):
             raise ConfigError(f"exit_min_prob must be in [0, 1), got {self.exit_min_prob!r}")
         _choice("scoring", self.scoring, ("mean_logit", "mean_logprob"))
+        _choice("segment_boundary", self.segment_boundary, ("tokens", "line"))
         _choice("normalization", self.normalization, ("sum", "softmax"))
         _choice("nonpositive_rule", self.nonpositive_rule, ("softmax", "raw"))
         _choice("hedge_decay", self.hedge_decay, ("sqrt", "inverse"))

@@ -446,6 +446,7 @@ class _Run:
             repetition_penalty=config.repetition_penalty,
             ignore_eos=config.ignore_eos,
             token_healing=config.token_healing,
+            stop_at_line_end=config.segment_boundary == "line",
         )
 
     # -- failure handling -------------------------------------------------------------------
@@ -698,6 +699,8 @@ class _Run:
         candidates = [
             Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners
         ]
+        if cfg.segment_boundary == "line":  # a drafter that ran past its first line end is cut there
+            candidates = [_to_line_end(c) for c in candidates]
         if self.constraint is not None:
             owners, candidates = _constrain(self.constraint, self.text, owners, candidates, self._vote_choice)
 
@@ -894,6 +897,20 @@ def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float
         if all(v is not None for v in values):
             return [float(v) for v in values], False
     raise SpecEMError(f"a verifier returned no {scoring} score")
+
+
+def _to_line_end(candidate: Candidate) -> Candidate:
+    """``candidate`` up to its first line end: the newline and the whitespace right after it
+    (``segment_boundary="line"``; drafters stop there themselves, HTTP members may not)."""
+    text = candidate.text
+    end = text.find("\n") + 1
+    if end == 0:
+        return candidate
+    while end < len(text) and text[end].isspace():
+        end += 1
+    if end == len(text):
+        return candidate
+    return Candidate(candidate.member, text[:end], False, candidate.tokens)
 
 
 def _draft_cost(member: Member) -> float:

@@ -477,3 +477,27 @@ def test_drafters_on_one_device_take_turns_cheapest_first_with_the_earlier_draft
     remote = ScriptedMember("remote", drafts=[("x", True)], concurrency_key="server-b")
     SpecEM([big, remote], SpecEMConfig(segment_len=4)).generate("count")
     assert big.hints_seen[-1] == []  # different devices draft at the same time: no hints
+
+
+@pytest.mark.parametrize(
+    ("boundary", "first"),
+    [("line", "def f():\n    "), ("tokens", "def f():\n    return 1\n")],
+)
+def test_line_segments_cut_a_draft_after_its_first_line_end(boundary: str, first: str) -> None:
+    """``segment_boundary="line"``: a drafter that runs past a line end (e.g. an HTTP member) is
+    cut after the newline and the indentation that follows it; its turn does not end there."""
+    a = ScriptedMember("a", drafts=[("def f():\n    return 1\n", True), ("return 1\n", True)])
+    result = _engine(a, segment_boundary=boundary).generate("q")
+    assert result.segments[0].text == first
+    assert result.segments[0].candidates[0].ended is (boundary == "tokens")
+    assert result.text == ("def f():\n    return 1\n" if boundary == "line" else first)
+    assert result.finish_reason == "stop"
+
+
+def test_line_segments_keep_a_draft_without_a_line_end_or_ending_at_one() -> None:
+    a = ScriptedMember("a", drafts=[("x = 1", False), (" + 2\n\n", True)])
+    b = ScriptedMember("b", drafts=[("y", False)], can_draft=False)
+    result = _engine(a, b, segment_boundary="line").generate("q")
+    assert [s.text for s in result.segments] == ["x = 1", " + 2\n\n"]
+    with pytest.raises(ConfigError, match="segment_boundary"):
+        SpecEMConfig(segment_boundary="lines")  # type: ignore[arg-type]

@@ -313,6 +313,47 @@ def test_faithful_engine_makes_the_naive_loops_decisions(
         committed += seg.text
 
 
+CODE_REQ = SessionRequest([{"role": "user", "content": "Write a Python function that adds two numbers."}])
+
+
+def line_end_prefix(member: Any, session: Any, n: int) -> tuple[str, str]:
+    """(a draft of ``n`` tokens cut after its first token that holds a newline, the draft that
+    stopped there by itself: ``SamplingParams(stop_at_line_end=True)``) from the same prefix."""
+    session.draft(n, SamplingParams())
+    ids = session._draft.ids
+    cut = next(i + 1 for i, t in enumerate(ids) if b"\n" in member.decode_bytes([t]))
+    stopped = session.draft(n, SamplingParams(stop_at_line_end=True))
+    return member.decode_bytes(ids[:cut]).decode(), stopped.text
+
+
+def test_drafts_stop_at_their_first_line_end_when_asked(models: dict[str, LlamaCppModel]) -> None:
+    m = _member(models, "qwen2")
+    session = m.open(CODE_REQ)
+    try:
+        for _ in range(3):  # a few lines: each draft is its greedy draft up to the line end
+            want, got = line_end_prefix(m, session, 48)
+            assert got == want
+            assert "\n" in got
+            session.score([Candidate("self", got, False), Candidate("o", " ok", False)], score_eos=True)
+            session.commit(got)
+    finally:
+        session.close()
+
+
+def test_line_segments_in_the_engine_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
+    """Every segment ends at a line end or at the length cap, and the pair's answer is the text
+    the segments add up to (members that stopped at a line end keep their rows)."""
+    members = _pair(models)
+    config = SpecEMConfig(segment_len=16, max_new_tokens=64, segment_boundary="line")
+    result = SpecEM(members, config).generate(list(CODE_REQ.messages))
+    assert result.excluded == []
+    assert "".join(s.text for s in result.segments) == result.text
+    lines = [s for s in result.segments if "\n" in s.text]
+    assert len(lines) >= 2
+    for s in lines:  # a newline only in the segment's trailing whitespace
+        assert s.text.rstrip() == "" or "\n" not in s.text[: len(s.text.rstrip())], s.text
+
+
 def test_seeded_sampling_and_stop_strings_on_llama_cpp(models: dict[str, LlamaCppModel]) -> None:
     members = _pair(models)
     engine = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=24))

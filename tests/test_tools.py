@@ -341,9 +341,14 @@ def test_json_constraint_keeps_the_schema_types_as_written():
     assert c.options('{"ok": ') == ["true", "false"]
 
 
-def test_tool_arguments_stay_coercible():
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}}
+def test_tool_arguments_stay_coercible() -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}},
+        },
+    }
     c = ToolCallConstraint([tool])
     assert c.accepts('<tool_call>\n{"name": "f", "arguments": {"n": "3", "s": 4}}</tool_call>')
 

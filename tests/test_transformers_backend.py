@@ -275,3 +275,30 @@ def test_tokenizer_ids_beyond_the_models_head_are_not_banned() -> None:
     result = SpecEM([member], SpecEMConfig(max_new_tokens=8, ignore_eos=True)).generate("hi")
     assert result.excluded == []
     assert result.usage.completion_tokens >= 8
+
+
+def test_drafts_stop_at_their_first_line_end_when_asked() -> None:
+    """``SamplingParams(stop_at_line_end=True)`` (``segment_boundary="line"``) on the real
+    SmolLM2 (its fp32 copy): each draft is the greedy draft up to its first token with a newline."""
+    from specem_core import models, registry
+
+    packaged = models.find_packaged("smollm2")
+    if packaged is None or not models.is_converted(packaged):
+        pytest.skip("SmolLM2's fp32 copy is not installed (scripts/install_dev.sh converts it)")
+    member = registry.load_member("smollm2", backend="transformers")
+    request = SessionRequest([{"role": "user", "content": "Write a Python function that adds two numbers."}])
+    session = member.open(request)
+    lines = 0
+    try:
+        for _ in range(4):
+            session.draft(48, SamplingParams())
+            ids = session._draft.ids
+            cut = next((i + 1 for i, t in enumerate(ids) if "\n" in member.tokenizer.decode([t])), len(ids))
+            want = member.tokenizer.decode(ids[:cut])
+            got = session.draft(48, SamplingParams(stop_at_line_end=True))
+            assert got.text == want
+            lines += "\n" in got.text
+            session.commit(got.text)
+    finally:
+        session.close()
+    assert lines >= 2

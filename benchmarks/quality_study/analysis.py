@@ -39,7 +39,7 @@ def analyze(against: str | None = None) -> str:
         "|" + "---|" * 14,
     ]
     alone = [name for name, spec in configs.CONFIGS.items() if len(spec["members"]) == 1 and not spec.get("draft_only")]
-    for task in ("gsm8k", "ifeval", "arc"):
+    for task in ("gsm8k", "ifeval", "arc", "humaneval"):
         available = {name: records(task, name) for name in configs.CONFIGS}
         available = {name: recs for name, recs in available.items() if recs}
         if not available:
@@ -84,7 +84,7 @@ def analyze(against: str | None = None) -> str:
             ordered = sorted(wins.items(), key=lambda x: -x[1])
             share = ", ".join(f"{_short(m)} {100 * v / total:.0f}%" for m, v in ordered)
             cells = [
-                task, name, str(len(recs)), ref,
+                task, name, str(len(recs)), ref + _build_note(recs, [base[k] for k in keys]),
                 f"{100 * sum(ours[k] for k in keys) / len(keys):.1f}",
                 f"{100 * sum(theirs[k] for k in keys) / len(keys):.1f}",
                 str(gains), str(losses), f"{sign_test(gains, losses):.2f}", f"[{low:+.1f}, {high:+.1f}]",
@@ -99,6 +99,15 @@ def analyze(against: str | None = None) -> str:
     text = "\n".join(lines)
     (tasks.RESULTS / ("analysis.md" if against is None else f"analysis_vs_{against}.md")).write_text(text + "\n")
     return text
+
+
+def _build_note(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> str:
+    """Nothing when both sides were answered on one llama.cpp build (``runner.llama_cpp_build``);
+    otherwise a warning for the table: greedy answers differ between builds (near ties)."""
+    builds = {r.get("build") for r in ours} | {r.get("build") for r in theirs}
+    if None in builds:
+        return " (build not recorded)"
+    return "" if len(builds) == 1 else " (different builds)"
 
 
 def _instruction_row(name: str, ref: str, recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> str:

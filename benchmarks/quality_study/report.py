@@ -71,7 +71,7 @@ def report() -> str:
         if complete:
             figs = {name: measure(task, recs) for name, recs in complete.items()}
             sections.append(f"### {title}: all {full} prompts\n\n" + table(task, figs))
-            figures_for_plot[task] = figs
+            figures_for_plot[task] = {name: {**f, **paired(task, name, complete)} for name, f in figs.items()}
         # one table per run length: the configurations that ran at least the first n prompts
         lengths = sorted({len(recs) for recs in all_recs.values() if len(recs) < full}, reverse=True)
         for n in lengths:
@@ -151,6 +151,20 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
 HEADLINE = {"ifeval": "prompt_level_strict", "gsm8k": "accuracy", "arc": "accuracy", "humaneval": "pass_at_1"}
 
 
+def paired(task: str, name: str, complete: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """An ensemble's paired comparison with the best member alone on the same (whole) set: ``vs``,
+    ``gained`` / ``lost`` (prompts exactly one of the two got right) and the sign test's ``p``."""
+    alone = [n for n, spec in configs.CONFIGS.items() if len(spec["members"]) == 1 and not spec.get("draft_only")]
+    singles = {n: passes(task, complete[n]) for n in alone if n in complete}
+    if name in alone or not singles:
+        return {}
+    best = max(singles, key=lambda n: sum(singles[n].values()))
+    ours, theirs = passes(task, complete[name]), singles[best]
+    gained = sum(ours[k] and not theirs[k] for k in ours)
+    lost = sum(theirs[k] and not ours[k] for k in ours)
+    return {"vs": best, "gained": gained, "lost": lost, "p": round(sign_test(gained, lost), 4)}
+
+
 def preset_results() -> str:
     """Every preset's records beside its best member alone on the same prompts (paired gained /
     lost prompts, sign-test p) and, where a side-by-side ``cost`` run exists, its time against that
@@ -208,11 +222,14 @@ def preset_results() -> str:
 def preset_table(results: dict[str, dict[str, Any]]) -> str:
     """The presets' results as a Markdown table: score (n) against the best member alone on the
     same prompts, gained / lost and p, and the time against that member where it was measured."""
-    head = "| preset | IFEval prompt strict | GSM8K accuracy | ARC-Easy accuracy | time vs the best member alone |"
-    rows = [head, "|---|---|---|---|---|"]
+    head = (
+        "| preset | IFEval prompt strict | GSM8K accuracy | ARC-Easy accuracy | HumanEval pass@1 "
+        "| time vs the best member alone |"
+    )
+    rows = [head, "|---|---|---|---|---|---|"]
     for name, tasks_ in results.items():
         cells = [f"`{name}`"]
-        for task in ("ifeval", "gsm8k", "arc"):
+        for task in ("ifeval", "gsm8k", "arc", "humaneval"):
             f = tasks_.get(task)
             if f is None:
                 cells.append("not measured")

@@ -3,6 +3,7 @@ round traced), and side-by-side timing against a member alone (``cost``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -23,11 +24,16 @@ def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
 
     spec = configs.CONFIGS[name]
     if "preset" in spec:
+        from specem_core.presets import PRESETS
         from specem_core.presets import build_engine as preset_engine
 
         saved = state_path(task, name, fold)
+        overrides = {k: v for k, v in spec["config"].items() if PRESETS[spec["preset"]].config.get(k) != v}
         return preset_engine(
-            spec["preset"], backend="llamacpp", weights=MemberWeights.load(saved) if saved.exists() else None
+            spec["preset"],
+            backend="llamacpp",
+            weights=MemberWeights.load(saved) if saved.exists() else None,
+            **overrides,
         )
     members = [load_member(m) for m in spec["members"]]
     members += [load_member(v, can_draft=False) for v in spec.get("verifiers", [])]
@@ -92,6 +98,7 @@ def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed
                 "gated": [e.member for e in result.excluded if e.stage == "gate"],
                 "trace": [trace_round(seg) for seg in result.segments],
             }
+            record["build"] = llama_cpp_build()
             if task == "humaneval":  # graded now, in the sandbox: the record says how the code ended
                 record.update(grade_humaneval(row, result.text))
             if engine.weights is not None:  # learned across requests: keep them with the answers
@@ -99,6 +106,20 @@ def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed
                 engine.weights.save(state_path(task, name, fold))
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
             fh.flush()
+
+
+@functools.cache
+def llama_cpp_build() -> str:
+    """The llama.cpp build the records were made with (version and CPU features): greedy answers
+    are reproducible on one build only (near ties fall differently on AVX2 and AVX512 kernels), so
+    a paired comparison should be between records of the same build."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return "none"
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    features = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+    return f"llama-cpp-python {llama_cpp.__version__}: " + " ".join(features)
 
 
 def generation_options(task: str) -> dict[str, Any]:

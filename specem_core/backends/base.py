@@ -29,6 +29,8 @@ class SamplingParams:
     """Never pick an end-of-turn token."""
     token_healing: bool = False
     """Redraw the last committed token among those extending its text (see ``SpecEMConfig``)."""
+    stop_at_line_end: bool = False
+    """End the draft after the first token that contains a newline (``segment_boundary="line"``)."""
 
 
 @dataclass(frozen=True)

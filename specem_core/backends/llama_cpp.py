@@ -899,6 +899,8 @@ class LlamaCppSession(MemberSession):
                 not _incomplete_utf8(self._m.decode_bytes(ids)) or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
             ):
                 break
+            if sampling.stop_at_line_end and b"\n" in self._m.decode_bytes([token]):
+                break
             if alive and source is not None:
                 logits = source.step_logits[hinted - 1]
                 continue

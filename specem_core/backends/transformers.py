@@ -600,6 +600,8 @@ class TransformersSession(MemberSession):
                     not self._decode_continuation(ids).endswith("\ufffd") or len(ids) >= max_tokens + _UTF8_EXTRA_TOKENS
                 ):
                     break
+                if sampling.stop_at_line_end and "\n" in self._m.tokenizer.decode([token]):
+                    break
                 logits = self._feed([token])
         ended = eos_score is not None
         fed = len(ids) if ended else max(len(ids) - 1, 0)

@@ -77,6 +77,8 @@ class SpecEMOptions(BaseModel):
     are the server's members; its fields apply first and the other fields here override them. The
     member weights stay the server's (start the server with ``--preset`` for the preset's prior)."""
     segment_len: int | None = None
+    segment_boundary: Literal["tokens", "line"] | None = None
+    """``"line"``: segments also end at line ends (whole lines of code are voted on)."""
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
