@@ -56,17 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server")
 
 from serve_process import ServeProcess, start_serve
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import PROMPTS as LOAD_PROMPTS
+
 KINDS = {"stream": 4, "plain": 2, "tools": 1, "json": 1, "cancel": 1, "bad": 1}
 """The traffic mix (relative weights)."""
 OUTCOMES = ("completed", "cancelled", "rejected", "error", "corrupted", "lost")
-PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how photosynthesis works.",
-    "Describe the rules of chess in simple words.",
-    "Give advice to someone learning to cook.",
-    "Explain why the sky is blue.",
-    "Describe a walk through a forest in autumn.",
-]
+PROMPTS = LOAD_PROMPTS[:6]
+"""The load benchmark's first six prompts."""
 WEATHER_TOOL = {
     "type": "function",
     "function": {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def report() -> str:
         if complete:
             figs = {name: measure(task, recs) for name, recs in complete.items()}
             sections.append(f"### {title}: all {full} prompts\n\n" + table(task, figs))
-            figures_for_plot[task] = {name: {**f, **paired(task, name, complete)} for name, f in figs.items()}
+            compare = paired(task, complete)
+            figures_for_plot[task] = {name: {**f, **compare(name)} for name, f in figs.items()}
         # one table per run length: the configurations that ran at least the first n prompts
         lengths = sorted({len(recs) for recs in all_recs.values() if len(recs) < full}, reverse=True)
         for n in lengths:
@@ -151,18 +153,23 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
 HEADLINE = {"ifeval": "prompt_level_strict", "gsm8k": "accuracy", "arc": "accuracy", "humaneval": "pass_at_1"}
 
 
-def paired(task: str, name: str, complete: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """An ensemble's paired comparison with the best member alone on the same (whole) set: ``vs``,
-    ``gained`` / ``lost`` (prompts exactly one of the two got right) and the sign test's ``p``."""
+def paired(task: str, complete: dict[str, list[dict[str, Any]]]) -> Callable[[str], dict[str, Any]]:
+    """For a configuration's name, its paired comparison with the best member alone on the same
+    (whole) set: ``vs``, ``gained`` / ``lost`` (prompts exactly one of the two got right) and the
+    sign test's ``p``; ``{}`` for a member alone. The best member is found once per set."""
     alone = [n for n, spec in configs.CONFIGS.items() if len(spec["members"]) == 1 and not spec.get("draft_only")]
     singles = {n: passes(task, complete[n]) for n in alone if n in complete}
-    if name in alone or not singles:
-        return {}
-    best = max(singles, key=lambda n: sum(singles[n].values()))
-    ours, theirs = passes(task, complete[name]), singles[best]
-    gained = sum(ours[k] and not theirs[k] for k in ours)
-    lost = sum(theirs[k] and not ours[k] for k in ours)
-    return {"vs": best, "gained": gained, "lost": lost, "p": round(sign_test(gained, lost), 4)}
+    best = max(singles, key=lambda n: sum(singles[n].values())) if singles else None
+
+    def compare(name: str) -> dict[str, Any]:
+        if best is None or name in alone:
+            return {}
+        ours, theirs = passes(task, complete[name]), singles[best]
+        gained = sum(ours[k] and not theirs[k] for k in ours)
+        lost = sum(theirs[k] and not ours[k] for k in ours)
+        return {"vs": best, "gained": gained, "lost": lost, "p": round(sign_test(gained, lost), 4)}
+
+    return compare
 
 
 def preset_results() -> str:
