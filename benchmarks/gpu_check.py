@@ -104,7 +104,46 @@ def speed(dirs: list[Path], tokens: list[int]) -> dict[str, Any]:
         rows.append(row)
         print(f"speed (bf16, cuda) T={t}: {json.dumps(row)}", flush=True)
     growth = (rows[-1]["ensemble_s"] / tokens[-1]) / (rows[0]["ensemble_s"] / tokens[0])
-    return {"rows": rows, "per_token_growth": growth}
+    return {"rows": rows, "per_token_growth": growth, "scheduling": scheduling(members, tokens[0])}
+
+
+def scheduling(members: list[Any], tokens: int) -> dict[str, Any]:
+    """One request, ``tokens`` tokens, under three schedulings of the members on one GPU, side by
+    side: the backend's (one after another, passes through the device queue), the members drafting
+    side by side in threads through the queue (the backend's choice on a CPU), and no queue
+    (``request_batch_size=1``). The answers must be the same text."""
+    import torch
+
+    from specem_core import SpecEM, SpecEMConfig
+    from specem_core.backends.transformers import TransformersMember
+
+    config = SpecEMConfig(segment_len=10, ignore_eos=True)
+    chosen = TransformersMember.concurrency_key
+
+    def side_by_side(self: TransformersMember) -> str:
+        return f"torch:{self._device}#{id(self.model):x}"
+
+    out: dict[str, Any] = {}
+    texts = set()
+    for label in ("backend", "side_by_side", "unqueued"):
+        if label == "side_by_side":
+            TransformersMember.concurrency_key = property(side_by_side)  # type: ignore[assignment]
+        for m in members:
+            m.request_batch_size = 1 if label == "unqueued" else 16
+        try:
+            engine = SpecEM(members, config)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            result = engine.generate(MESSAGES, max_new_tokens=tokens)
+        finally:
+            TransformersMember.concurrency_key = chosen  # type: ignore[method-assign]
+        texts.add(result.text)
+        out[label] = {"seconds": result.seconds, "tokens_per_s": result.usage.completion_tokens / result.seconds}
+        print(f"scheduling T={tokens} {label}: {json.dumps(out[label])}", flush=True)
+    for m in members:
+        m.request_batch_size = 16
+    out["same_text"] = len(texts) == 1
+    return out
 
 
 def main() -> None:

@@ -332,3 +332,18 @@ def test_request_batch_size_is_validated_and_1_bypasses_the_queue() -> None:
     session.draft(4, SamplingParams())
     member.request_batch_size = 4
     assert member.batch_stats is not None
+
+
+def test_members_on_a_cpu_draft_side_by_side_and_on_an_accelerator_one_after_another() -> None:
+    # On a GPU two drafting threads trade the GIL at every kernel launch (about 4x slower for a
+    # lone request on an H100, benchmarks/gpu_check.py): there the engine must run them in turn.
+    on_cpu = [TransformersMember(*tiny.tiny_llama(seed), name=f"cpu-{seed}") for seed in (0, 1)]
+    assert len({m.concurrency_key for m in on_cpu}) == 2  # different keys: the engine runs them concurrently
+    elsewhere = []
+    for seed in (0, 1):
+        model, tok = tiny.tiny_llama(seed)
+        elsewhere.append(TransformersMember(model.to("meta"), tok, name=f"meta-{seed}"))
+    assert {m.concurrency_key for m in elsewhere} == {"torch:meta"}  # one key: in turn
+    assert all(m.batch_stats is not None for m in elsewhere)  # still batching across requests
+    unqueued = [TransformersMember(*tiny.tiny_llama(seed), request_batch_size=1) for seed in (0, 1)]
+    assert {m.concurrency_key for m in unqueued} == {"torch:cpu"}
