@@ -119,17 +119,14 @@ def scheduling(members: list[Any], tokens: int) -> dict[str, Any]:
 
     config = SpecEMConfig(segment_len=10, ignore_eos=True)
     chosen = TransformersMember.concurrency_key
-
-    def side_by_side(self: TransformersMember) -> str:
-        return f"torch:{self._device}#{id(self.model):x}"
-
+    batch_sizes = [m.request_batch_size for m in members]
     out: dict[str, Any] = {}
     texts = set()
     for label in ("backend", "side_by_side", "unqueued"):
-        if label == "side_by_side":
-            TransformersMember.concurrency_key = property(side_by_side)  # type: ignore[assignment]
-        for m in members:
-            m.request_batch_size = 1 if label == "unqueued" else 16
+        if label == "side_by_side":  # the key the backend gives members on a CPU
+            TransformersMember.concurrency_key = property(TransformersMember._model_key)  # type: ignore[assignment]
+        for m, size in zip(members, batch_sizes, strict=True):
+            m.request_batch_size = 1 if label == "unqueued" else size
         try:
             engine = SpecEM(members, config)
             if torch.cuda.is_available():
@@ -140,8 +137,8 @@ def scheduling(members: list[Any], tokens: int) -> dict[str, Any]:
         texts.add(result.text)
         out[label] = {"seconds": result.seconds, "tokens_per_s": result.usage.completion_tokens / result.seconds}
         print(f"scheduling T={tokens} {label}: {json.dumps(out[label])}", flush=True)
-    for m in members:
-        m.request_batch_size = 16
+    for m, size in zip(members, batch_sizes, strict=True):
+        m.request_batch_size = size
     out["same_text"] = len(texts) == 1
     return out
 

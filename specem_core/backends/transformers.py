@@ -383,8 +383,12 @@ class TransformersMember:
         at every launch made a lone request about 4x slower (``benchmarks/gpu_check.py`` on an
         H100: 27.1 s against 6.9 s for 128 tokens)."""
         if self._request_batch_size > 1 and self._device.type == "cpu":
-            return f"torch:{self._device}#{id(self.model):x}"
+            return self._model_key()
         return f"torch:{self._device}"
+
+    def _model_key(self) -> str:
+        """A key of its own per model on its device (members with different keys run concurrently)."""
+        return f"torch:{self._device}#{id(self.model):x}"
 
     def open(self, request: SessionRequest) -> TransformersSession:
         """Render and encode the prompt and check that it fits (cheap: the prompt is prefilled on
