@@ -111,7 +111,7 @@ def test_end_to_end_on_the_real_default_preset() -> None:
     proc = _run("chat", "Name one primary colour.", "--preset", "fast", "--max-tokens", "16", "--json")
     data = json.loads(proc.stdout)
     assert data["members"] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
-    assert (data["config"]["trusted_opening_rounds"], data["config"]["normalization"]) == (1, "softmax")
+    assert (data["config"]["trusted_opening_rounds"], data["config"]["normalization"]) == (2, "softmax")
 
 
 def test_switches_map_to_config_fields() -> None:
@@ -131,7 +131,7 @@ def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
     args = _parser().parse_args(["chat", "hi"])
     assert _preset(args) is get_preset("quality")  # no --model: the default preset
     config = _config(args, _preset(args))
-    assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (1, "softmax", True)
+    assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (2, "softmax", True)
     args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
     config = _config(args, _preset(args))
     assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")

@@ -123,7 +123,7 @@ def test_explicit_arguments_override_the_presets(tiny_members: list[Any]) -> Non
     engine = build_engine("fast", members=pair, segment_len=3, model_exit=False)
     assert [m.name for m in engine.members] == ["llama", "qwen2"]
     assert (engine.config.segment_len, engine.config.model_exit) == (3, False)
-    assert (engine.config.normalization, engine.config.trusted_opening_rounds) == ("softmax", 1)
+    assert (engine.config.normalization, engine.config.trusted_opening_rounds) == ("softmax", 2)
     assert engine.weights is None  # the preset's prior names its own members only
     mine = MemberWeights({"llama": 3.0, "qwen2": 1.0})
     engine = SpecEM.from_preset("fast", members=pair, weights=mine, max_new_tokens=5)

@@ -278,7 +278,7 @@ def test_parity_with_chat_specem(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = SpecEMLLM(preset="fast", members=[own, "other"], member_kwargs={"n_ctx": 512}, backend="llamacpp", seed=4)
     assert [m.name for m in llm.engine.members] == ["mine", "other"]
     assert loaded == [("other", {"backend": "llamacpp", "device": None, "n_ctx": 512})]
-    assert llm.engine.config.trusted_opening_rounds == 1  # the preset's settings
+    assert llm.engine.config.trusted_opening_rounds == 2  # the preset's settings
     assert llm._config_overrides({})["seed"] == 4
     loaded.clear()
     preset_llm = SpecEMLLM(model="fast")
