@@ -137,7 +137,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             name="fast",
             description="Qwen2.5-Coder-0.5B + SmolLM2-135M with the recommended settings and a measured prior: "
-            "small and quick; level with the 0.5B alone on IFEval and GSM8K dev (no gain, 1.1-1.3x its time)",
+            "small and quick; level with the 0.5B alone on the dev sets, no gain",
             members=("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"),
             config=_RECOMMENDED,
             prior="fast",
@@ -156,11 +156,9 @@ PRESETS: dict[str, Preset] = {
 
 DEFAULT_PRESET = "quality"
 """What ``specem chat``, ``specem serve``, ``ChatSpecEM()``, ``SpecEMLLM()`` and
-:func:`default_engine` run with no members given. The goal is a preset at or above its best member
-on IFEval dev (120 prompts) and GSM8K dev (200 problems); ``quality``, measured on one llama.cpp
-build beside the 1.5B alone, is level on IFEval (34.2 = 34.2, 2 gained / 2 lost) and 1.5 points above
-on GSM8K (48.0 against 46.5, 13 gained / 10 lost, p = 0.68: within noise), at 1.23x (GSM8K) and
-1.39x (IFEval) the 1.5B's time per answer (``specem presets`` prints the table)."""
+:func:`default_engine` run with no members given: the preset measured at or above its best member
+on IFEval dev (120 prompts) and GSM8K dev (200 problems), on one llama.cpp build beside that member
+alone. Its figures are package data (:meth:`Preset.results`, ``specem presets``), not repeated here."""
 
 
 def preset_names() -> list[str]:
