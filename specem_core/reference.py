@@ -131,7 +131,7 @@ def naive_scores(
                 lcp += 1
             targets = full[lcp:]
             if ended and (score_eos or not targets):
-                targets = [*targets, member._eot_id]
+                targets = [*targets, member.eot_id]
             seq = prompt + full[:lcp] + targets
             logits = member.model(input_ids=torch.tensor([seq], device=member.model.device)).logits[0].float()
             start = len(prompt) + lcp
@@ -204,7 +204,7 @@ def _naive_scores_llama(
             lcp += 1
         targets = full[lcp:]
         if ended and (score_eos or not targets):
-            targets = [*targets, member._eot_id]
+            targets = [*targets, member.eot_id]
         seq = prompt + full[:lcp] + targets
         start = len(prompt) + lcp
         rows = evaluate_from_scratch(member.model, seq, (start - 1).__le__)

@@ -464,7 +464,7 @@ class LlamaCppMember:
         eos = model.token_text(model.eos_id) if model.eos_id >= 0 else ""
         self.chat = ChatFormat(JinjaChatTemplate(template, bos, eos) if template else None, template)
         self.stop_ids = model.end_of_generation_ids()
-        self._eot_id = self._find_end_of_turn()
+        self.eot_id = self._find_end_of_turn()
         control = 1 << 3  # LLAMA_TOKEN_ATTR_CONTROL
         # Control tokens other than the end of turn never belong in a drafted answer.
         self.suppress_ids = sorted(
@@ -1054,7 +1054,7 @@ class LlamaCppSession(MemberSession):
         plans: list[tuple[int, str, list[int], list[int], int, bool, int, int, int, int]] = []
         for n, text, full, lcp, with_eos in pending:
             text_ids = full[lcp:]
-            targets = text_ids + ([self._m._eot_id] if with_eos else [])
+            targets = text_ids + ([self._m.eot_id] if with_eos else [])
             extends = lcp == len(self._resp_ids)
             # a row holds every text token (so that it can become the cache), plus the committed
             # token it re-reads when it does not extend the committed ids

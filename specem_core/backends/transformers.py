@@ -92,9 +92,9 @@ class TransformersMember:
         self.can_verify = can_verify
         self.chat = ChatFormat(tokenizer, chat_template)
         self._device = model.get_input_embeddings().weight.device
-        self._eot_id = self._find_end_of_turn()
+        self.eot_id = self._find_end_of_turn()
         self.stop_ids = frozenset(self._collect_stop_ids())
-        self.pad_id = self._eot_id
+        self.pad_id = self.eot_id
         # Control tokens other than the end of turn never belong in a drafted answer. A tokenizer
         # may know more ids than the model has output rows (a token added after training, or on
         # reloading a saved tokenizer): the model can never pick those, so only its own are banned.
@@ -465,7 +465,7 @@ class TransformersMember:
         return int(eos)
 
     def _collect_stop_ids(self) -> set[int]:
-        ids = {self._eot_id}
+        ids = {self.eot_id}
         for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
             if isinstance(source, int):
                 ids.add(source)
@@ -854,7 +854,7 @@ class TransformersSession(MemberSession):
         seqs: list[list[int]] = []
         for _, _, full, lcp, with_eos in pending:
             seq = committed[base : prompt_len + lcp] + full[lcp:]
-            seqs.append(seq + ([self._m._eot_id] if with_eos else []))
+            seqs.append(seq + ([self._m.eot_id] if with_eos else []))
         first_scored = min(prompt_len + lcp - base for _, _, _, lcp, _ in pending)
         job = _ScoreJob(self, base, seqs, first_scored)
         queue = self._m._queue()
