@@ -5,7 +5,7 @@
 Each ``DIR`` holds a model's ``config.json`` and tokenizer files (no weights needed: the weights
 are random, drawn with a fixed seed, so the check runs where the packaged weights cannot be
 copied). Exactness: in fp32 on the GPU, cached scores equal a full recomputation
-(``specem_core.reference.naive_scores``) and the faithful engine makes the naive loop's decisions.
+(``specem_core.testing.reference.naive_scores``) and the faithful engine makes the naive loop's decisions.
 Speed: in bf16, the ensemble's time for T tokens against the sum of each member's own greedy
 ``generate`` for T tokens (the floor; ``benchmarks/speed.py``'s figure (a)), greedy with
 ``ignore_eos``. Random weights produce meaningless text; the work per token is that of the real
@@ -43,7 +43,7 @@ def exactness(dirs: list[Path]) -> dict[str, Any]:
     import torch
 
     from specem_core import Candidate, SamplingParams, SessionRequest, SpecEM, SpecEMConfig
-    from specem_core.reference import naive_generate, naive_scores
+    from specem_core.testing.reference import naive_generate, naive_scores
 
     members = [load(d, torch.float32, f"{d.name}-fp32") for d in dirs]
     worst = 0.0

@@ -170,7 +170,7 @@ class CallTimes:
 def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
     """Every figure of one backend (the members are loaded here and released at the end)."""
     from specem_core import SpecEM, SpecEMConfig
-    from specem_core.reference import naive_generate
+    from specem_core.testing.reference import naive_generate
     from specem_core.registry import default_members
 
     members = default_members(backend=backend)

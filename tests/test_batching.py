@@ -15,7 +15,7 @@ from specem_core import SamplingParams, SessionRequest, SpecEM, SpecEMConfig
 from specem_core.backends._batching import DeviceQueue, Step
 from specem_core.backends.transformers import TransformersMember
 from specem_core.errors import ConfigError
-from specem_core.reference import naive_draft, naive_scores
+from specem_core.testing.reference import naive_draft, naive_scores
 
 KINDS = ["llama", "qwen2", "gemma3"]
 PROMPTS = [

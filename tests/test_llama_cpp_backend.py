@@ -30,7 +30,7 @@ from specem_core.backends.llama_cpp import (  # noqa: E402
     evaluate_from_scratch,
     requantize,
 )
-from specem_core.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
+from specem_core.testing.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
 from specem_core.scoring import argmax_first, combine, normalize_row  # noqa: E402
 
 REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])

@@ -9,7 +9,7 @@ import pytest
 import tiny
 
 from specem_core import Candidate, SamplingParams, SessionRequest, SpecEM, SpecEMConfig
-from specem_core.reference import naive_draft, naive_generate, naive_scores
+from specem_core.testing.reference import naive_draft, naive_generate, naive_scores
 
 REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])
 KINDS = ["llama", "qwen2", "gemma3"]
