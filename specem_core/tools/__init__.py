@@ -10,6 +10,8 @@ prefers, the Hermes / Qwen2.5 one that :mod:`specem_core.chat_format`'s fallback
 This package holds everything the engine needs around that syntax, one concern per module (each
 imports only the ones listed before it):
 
+* :mod:`~specem_core.tools._jsonschema` — the JSON-schema helpers the others share (local
+  ``$ref`` s, the JSON types a schema allows, ``anyOf`` / ``oneOf`` variants).
 * :mod:`~specem_core.tools.schema` — :func:`normalize_tools` / :func:`normalize_tool_choice` check
   OpenAI-style tool schemas and ``tool_choice`` values (bad input raises
   :class:`~specem_core.errors.InputError`); :func:`coerce_arguments` fits arguments to a schema.

@@ -20,15 +20,15 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from specem_core.tools._jsonschema import resolve_refs, schema_types, schema_variants
 from specem_core.tools.parse import (
-    _ARGUMENT_KEYS,
-    _CALL_KEYS,
+    ARGUMENT_KEYS,
+    CALL_KEYS,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    _regions,
-    _tool_index,
+    call_regions,
+    tool_index,
 )
-from specem_core.tools.schema import _resolve, _types, _variants
 
 
 # -- the JSON-prefix constraint -----------------------------------------------------------------
@@ -90,7 +90,7 @@ def _value_options(schema: Any) -> list[str]:
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
         return [json.dumps(e, ensure_ascii=False) for e in enum]
-    if _types(schema) == {"boolean"}:
+    if schema_types(schema) == {"boolean"}:
         return ["true", "false"]
     return []
 
@@ -234,15 +234,15 @@ class _PrefixParser:
 
     # values with schemas
     def value(self, schema: Any = None) -> None:
-        schema = _resolve(schema, self.root) if schema else {}
+        schema = resolve_refs(schema, self.root) if schema else {}
         self.end_or(*self._start_options(schema))
         ch = self.peek()
-        variants = _variants(schema) if isinstance(schema, Mapping) else None
-        types = _types(schema) if isinstance(schema, Mapping) and schema and variants is None else None
+        variants = schema_variants(schema) if isinstance(schema, Mapping) else None
+        types = schema_types(schema) if isinstance(schema, Mapping) and schema and variants is None else None
         if variants is not None:
             kinds: set[str] = set()
             for v in variants:
-                t = _types(_resolve(v, self.root))
+                t = schema_types(resolve_refs(v, self.root))
                 if t is None:
                     kinds = set()
                     break
@@ -277,8 +277,8 @@ class _PrefixParser:
         JSON answer, which is returned as written, also the opening character of its type: the
         ensemble takes one of these when every candidate writes a value of another type)."""
         options = _value_options(schema)
-        if not options and self.strict and isinstance(schema, Mapping) and _variants(schema) is None:
-            options = _value_openers(_types(schema))
+        if not options and self.strict and isinstance(schema, Mapping) and schema_variants(schema) is None:
+            options = _value_openers(schema_types(schema))
         return options
 
     def value_then(self, schema: Any, after: Sequence[str]) -> None:
@@ -380,7 +380,7 @@ class _PrefixParser:
             self.end_or("]")
             if self.peek() != "]":
                 raise _Invalid("the array must be empty (maxItems)")
-        first = self._start_options(_resolve(items, self.root) if items else {})
+        first = self._start_options(resolve_refs(items, self.root) if items else {})
         self.end_or(*first, *(["]"] if first else []))
         if self.peek() == "]":
             self.i += 1
@@ -409,8 +409,8 @@ class _PrefixParser:
         seen: set[str] = set()
         deferred_args: str | None = None
         while True:
-            has_args = bool(seen & set(_ARGUMENT_KEYS))
-            allowed = [k for k in _CALL_KEYS if k not in seen and not (k in _ARGUMENT_KEYS and has_args)]
+            has_args = bool(seen & set(ARGUMENT_KEYS))
+            allowed = [k for k in CALL_KEYS if k not in seen and not (k in ARGUMENT_KEYS and has_args)]
             if "name" in seen and not has_args:
                 self.end_or('"arguments": {')
             key = self.string(allowed, after=": ")
@@ -433,7 +433,7 @@ class _PrefixParser:
                     self.root = saved
                 if name is None:
                     deferred_args = self.s[start : self.i]
-            done = name is not None and bool(seen & set(_ARGUMENT_KEYS))
+            done = name is not None and bool(seen & set(ARGUMENT_KEYS))
             optional = name is not None and not (tools[name].get("parameters") or {}).get("required")
             self.end_or(*(["}"] if done else [", ", "}"] if optional else [", "]))
             ch = self.peek()
@@ -446,7 +446,7 @@ class _PrefixParser:
                 if name is None:
                     raise _Invalid("the call has no name")
                 params = tools[name].get("parameters") or {}
-                if not seen & set(_ARGUMENT_KEYS) and params.get("required"):
+                if not seen & set(ARGUMENT_KEYS) and params.get("required"):
                     raise _Invalid("the call has no arguments")
                 self.i += 1
                 return
@@ -488,7 +488,7 @@ class ToolCallConstraint:
     """
 
     def __init__(self, tools: Sequence[Mapping[str, Any]], *, single_call: bool = False) -> None:
-        self._tools = _tool_index(tools)
+        self._tools = tool_index(tools)
         self._single = single_call
 
     def __call__(self, committed: str, candidate: str) -> bool:
@@ -496,7 +496,7 @@ class ToolCallConstraint:
 
     def accepts(self, text: str, start: int = 0) -> bool:
         """Whether ``text`` is acceptable, looking only at what reaches past ``start``."""
-        spans, bodies = _regions(text)
+        spans, bodies = call_regions(text)
         for n, ((s, e), body) in enumerate(zip(spans, bodies, strict=True)):
             limit = spans[n + 1][0] if n + 1 < len(spans) else len(text)
             if limit <= start:
@@ -535,7 +535,7 @@ class ToolCallConstraint:
         """The continuations an unfinished call at the end of ``committed`` can have, when they
         can be listed (tool names, argument names, enum values, closing braces, the close tag);
         empty when the text is free or there is no open call."""
-        spans, bodies = _regions(committed)
+        spans, bodies = call_regions(committed)
         if not spans or spans[-1][1] != len(committed):
             return []
         body = bodies[-1]

@@ -19,14 +19,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specem_core.tools.schema import _json_type, coerce_arguments, normalize_tools
+from specem_core.tools._jsonschema import json_type
+from specem_core.tools.schema import coerce_arguments, normalize_tools
 from specem_core.types import InvalidToolCall, ToolCall
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
-_ARGUMENT_KEYS = ("arguments", "parameters")
-_CALL_KEYS = ("name", *_ARGUMENT_KEYS)
+ARGUMENT_KEYS = ("arguments", "parameters")
+"""The keys a call object may hold its arguments under."""
+CALL_KEYS = ("name", *ARGUMENT_KEYS)
+"""The keys of a call object."""
 _FENCE_RE = re.compile(r"^```[A-Za-z0-9_-]*[ \t]*\n?(.*?)\n?[ \t]*(```)?\s*$", re.DOTALL)
 
 
@@ -45,7 +48,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _regions(text: str) -> tuple[list[tuple[int, int]], list[str]]:
+def call_regions(text: str) -> tuple[list[tuple[int, int]], list[str]]:
     """Spans of ``<tool_call>`` regions (tags included) and their bodies; a region ends at its
     close tag, at the next open tag, or at the end of the text."""
     spans: list[tuple[int, int]] = []
@@ -155,7 +158,7 @@ def _call_parts(obj: Any) -> tuple[Any, Any]:
     if isinstance(fn, Mapping) and "name" in fn:
         obj = fn
     args: Any = None
-    for key in (*_ARGUMENT_KEYS, "args", "input"):
+    for key in (*ARGUMENT_KEYS, "args", "input"):
         if key in obj:
             args = obj[key]
             break
@@ -177,7 +180,7 @@ def _make_call(obj: Any, raw: str, tools: Mapping[str, Mapping[str, Any]]) -> To
         except ValueError:
             return InvalidToolCall(new_call_id(), name, raw_args, "arguments are not valid JSON")
     if not isinstance(args, Mapping):
-        error = f"arguments must be a JSON object, got {_json_type(args)}"
+        error = f"arguments must be a JSON object, got {json_type(args)}"
         return InvalidToolCall(new_call_id(), name, raw_args, error)
     schema = tools.get(name, {}).get("parameters") if tools else None
     if schema:
@@ -198,7 +201,7 @@ def _calls_from_json(body: str, tools: Mapping[str, Mapping[str, Any]]) -> list[
     return [_make_call(item, body.strip(), tools) for item in items]
 
 
-def _tool_index(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+def tool_index(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
     return {t["function"]["name"]: t["function"] for t in normalize_tools(tools)} if tools else {}
 
 
@@ -211,8 +214,8 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None
     ``invalid_tool_calls`` with the reason. ``content`` is the text outside the calls, with
     leading whitespace removed (and trailing whitespace too when there are calls).
     """
-    index = _tool_index(tools)
-    spans, bodies = _regions(text)
+    index = tool_index(tools)
+    spans, bodies = call_regions(text)
     calls: list[ToolCall | InvalidToolCall] = []
     if spans:
         pieces: list[str] = []

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from specem_core.errors import InputError
+from specem_core.tools._jsonschema import resolve_refs, schema_types
 from specem_core.tools.constraints import JSONConstraint, PlainTextConstraint, ToolCallConstraint
 from specem_core.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
-from specem_core.tools.schema import ToolChoice, _resolve, _types, normalize_tool_choice, normalize_tools
+from specem_core.tools.schema import ToolChoice, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, StreamEvent, ToolCall
 
 
@@ -168,7 +169,7 @@ class OutputPlan:
                 if response_format.get("type") == "json_schema" and schema
                 else JSON_INSTRUCTION
             )
-            is_object = schema is None or _types(_resolve(schema, schema)) in (None, {"object"})
+            is_object = schema is None or schema_types(resolve_refs(schema, schema)) in (None, {"object"})
             return cls(
                 tools=[],
                 choice=ToolChoice("none"),

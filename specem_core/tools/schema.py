@@ -3,8 +3,7 @@
 * :func:`normalize_tools` / :func:`normalize_tool_choice` check OpenAI-style tool schemas and
   ``tool_choice`` values (bad input raises :class:`~specem_core.errors.InputError`).
 * :func:`coerce_arguments` fits a call's arguments to its tool's JSON schema (``"7"`` → ``7`` for an
-  integer). The JSON-schema helpers it uses (local ``$ref`` s, the JSON types a schema allows,
-  ``anyOf`` / ``oneOf`` variants) serve :mod:`specem_core.tools.constraints` too.
+  integer), with the JSON-schema helpers of :mod:`specem_core.tools._jsonschema`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specem_core.errors import InputError
+from specem_core.tools._jsonschema import json_type, resolve_refs, schema_types, schema_variants
 
 ToolChoiceMode = Literal["auto", "none", "required"]
 
@@ -165,73 +165,6 @@ def normalize_tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) ->
     raise InputError(f"unknown tool_choice {choice!r}: use 'auto', 'none', 'any', or a tool name")
 
 
-# -- JSON-schema helpers ----------------------------------------------------------------------
-def _resolve(schema: Any, root: Mapping[str, Any]) -> Any:
-    """Follow local ``$ref`` s (``#/$defs/X``, ``#/definitions/X``); a single ``allOf`` is unwrapped."""
-    seen = 0
-    while isinstance(schema, Mapping) and seen < 32:
-        seen += 1
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/"):
-            target: Any = root
-            for part in ref[2:].split("/"):
-                target = target.get(part) if isinstance(target, Mapping) else None
-            if not isinstance(target, Mapping):
-                return {}
-            merged = {k: v for k, v in schema.items() if k != "$ref"}
-            schema = {**target, **merged}
-            continue
-        all_of = schema.get("allOf")
-        if isinstance(all_of, list) and len(all_of) == 1:
-            rest = {k: v for k, v in schema.items() if k != "allOf"}
-            schema = {**all_of[0], **rest} if isinstance(all_of[0], Mapping) else rest
-            continue
-        return schema
-    return schema if isinstance(schema, Mapping) else {}
-
-
-def _types(schema: Mapping[str, Any]) -> set[str] | None:
-    """The JSON types a schema allows (``None`` = anything)."""
-    t = schema.get("type")
-    if isinstance(t, str):
-        return {t}
-    if isinstance(t, list):
-        return {str(x) for x in t}
-    if "enum" in schema and isinstance(schema["enum"], list):
-        return {_json_type(v) for v in schema["enum"]}
-    if "const" in schema:
-        return {_json_type(schema["const"])}
-    if "properties" in schema:
-        return {"object"}
-    if "items" in schema:
-        return {"array"}
-    return None
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
-def _variants(schema: Mapping[str, Any]) -> list[Any] | None:
-    for key in ("anyOf", "oneOf"):
-        v = schema.get(key)
-        if isinstance(v, list) and v:
-            return v
-    return None
-
-
 class _CoerceError(ValueError):
     pass
 
@@ -249,10 +182,10 @@ def coerce_arguments(args: Mapping[str, Any], parameters: Mapping[str, Any]) -> 
 
 
 def _coerce(value: Any, schema: Any, root: Mapping[str, Any], path: str) -> Any:
-    schema = _resolve(schema, root)
+    schema = resolve_refs(schema, root)
     if not isinstance(schema, Mapping) or not schema:
         return value
-    variants = _variants(schema)
+    variants = schema_variants(schema)
     if variants is not None:
         errors: list[str] = []
         for v in variants:  # exact matches first, then coercions
@@ -264,7 +197,7 @@ def _coerce(value: Any, schema: Any, root: Mapping[str, Any], path: str) -> Any:
             except _CoerceError as exc:
                 errors.append(str(exc))
         raise _CoerceError(errors[0] if errors else f"{path}: no variant matches")
-    types = _types(schema)
+    types = schema_types(schema)
     result = value if types is None else _coerce_kind(value, types, schema, root, path)
     if "enum" in schema and isinstance(schema["enum"], list) and result not in schema["enum"]:
         raise _CoerceError(f"{path}: {result!r} is not one of {schema['enum']}")
@@ -274,18 +207,18 @@ def _coerce(value: Any, schema: Any, root: Mapping[str, Any], path: str) -> Any:
 
 
 def _matches_exactly(value: Any, schema: Any, root: Mapping[str, Any]) -> bool:
-    schema = _resolve(schema, root)
+    schema = resolve_refs(schema, root)
     if not isinstance(schema, Mapping):
         return True
-    types = _types(schema)
+    types = schema_types(schema)
     if types is None:
         return True
-    kind = _json_type(value)
+    kind = json_type(value)
     return kind in types or (kind == "integer" and "number" in types)
 
 
 def _coerce_kind(value: Any, types: set[str], schema: Mapping[str, Any], root: Mapping[str, Any], path: str) -> Any:
-    kind = _json_type(value)
+    kind = json_type(value)
     if kind in types and kind not in ("object", "array"):
         return value
     if kind == "integer" and "number" in types:
@@ -320,7 +253,7 @@ def _coerce_kind(value: Any, types: set[str], schema: Mapping[str, Any], root: M
             parsed = json.loads(value)
         except ValueError:
             parsed = None
-        if parsed is not None and _json_type(parsed) in types:
+        if parsed is not None and json_type(parsed) in types:
             return _coerce_kind(parsed, types, schema, root, path)
     expected = " or ".join(sorted(types))
     raise _CoerceError(f"{path}: expected {expected}, got {kind} {json.dumps(value, ensure_ascii=False)[:40]}")
