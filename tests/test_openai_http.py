@@ -27,6 +27,7 @@ from specem_core import AllMembersFailedError, ModelNotFoundError, SpecEM, SpecE
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.http.alignment import EchoLogprobs, align_echo, parse_echo_logprobs
 from specem_core.backends.http.client import OpenAIClient, RetryPolicy, run_sync
+from specem_core.backends.http.continuation import continuation_anchor, splice_continuation
 from specem_core.backends.http.errors import (
     AlignmentError,
     CapabilityError,
@@ -34,13 +35,9 @@ from specem_core.backends.http.errors import (
     RequestCancelledError,
     ServerResponseError,
 )
-from specem_core.backends.http.member import (
-    OpenAIHTTPMember,
-    ServerCapabilities,
-    continuation_anchor,
-    splice_continuation,
-)
-from specem_core.reference import naive_scores
+from specem_core.backends.http.member import OpenAIHTTPMember
+from specem_core.backends.http.probe import ServerCapabilities
+from specem_core.testing.reference import naive_scores
 from specem_core.types import Candidate
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

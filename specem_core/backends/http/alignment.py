@@ -13,15 +13,12 @@ mis-scored silently.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from specem_core.backends.http.errors import AlignmentError, ServerResponseError
-
-_LOGPROB_FLOOR = -1.0e4
-"""Log-probs below this (or -inf) are clamped, so means and softmaxes stay finite."""
+from specem_core.backends.http.responses import first_choice, logprob_value
 
 
 # -- echo log-probs: parsing and alignment -------------------------------------------------
@@ -37,33 +34,13 @@ class EchoLogprobs:
     finish_reason: str | None = None
 
 
-def _num(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ServerResponseError(f"log-prob is not a number: {value!r}")
-    v = float(value)
-    if math.isnan(v):
-        raise ServerResponseError("log-prob is NaN")
-    return max(v, _LOGPROB_FLOOR)
-
-
-def _first_choice(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ServerResponseError(f"expected a JSON object, got {type(body).__name__}")
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ServerResponseError("answer has no choices")
-    return choices[0]
-
-
 def parse_echo_logprobs(body: Any) -> EchoLogprobs:
     """Validate and extract echo log-probs.
 
     Raises:
         ServerResponseError: missing fields, lists of different lengths, wrong types.
     """
-    choice = _first_choice(body)
+    choice = first_choice(body)
     text = choice.get("text")
     lp = choice.get("logprobs")
     if not isinstance(text, str) or not isinstance(lp, dict):
@@ -94,14 +71,14 @@ def parse_echo_logprobs(body: Any) -> EchoLogprobs:
         if top is None:
             parsed_tops.append(None)
         elif isinstance(top, dict):
-            parsed_tops.append({str(k): v for k, x in top.items() if (v := _num(x)) is not None})
+            parsed_tops.append({str(k): v for k, x in top.items() if (v := logprob_value(x)) is not None})
         else:
             raise ServerResponseError(f"top_logprobs entries must be objects, got {type(top).__name__}")
     finish = choice.get("finish_reason")
     return EchoLogprobs(
         text=text,
         tokens=list(tokens),
-        token_logprobs=[_num(v) for v in values],
+        token_logprobs=[logprob_value(v) for v in values],
         top_logprobs=parsed_tops,
         text_offset=list(offsets),
         finish_reason=finish if isinstance(finish, str) else None,
@@ -302,7 +279,8 @@ class SpanScore:
     """A shifted server lists special tokens as ``''``: the end-of-turn log-prob is unknown (not scored)."""
 
 
-def _top1(top: Mapping[str, float] | None) -> str | None:
+def top_token(top: Mapping[str, float] | None) -> str | None:
+    """The most likely token of a ``top_logprobs`` slot (``None``: an empty slot)."""
     if not top:
         return None
     return max(top.items(), key=lambda kv: kv[1])[0]
@@ -362,7 +340,8 @@ def span_logprobs(
     return SpanScore(values, missing, eos_unknown)
 
 
-def _near_tie(top: Mapping[str, float] | None) -> bool:
+def near_tie(top: Mapping[str, float] | None) -> bool:
+    """The slot's two most likely tokens are within 1e-3 nats (a greedy pick may go either way)."""
     if not top or len(top) < 2:
         return False
     best = sorted(top.values(), reverse=True)[:2]

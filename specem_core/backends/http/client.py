@@ -509,7 +509,7 @@ class OpenAIClient:
         return await self.request_json("POST", path, payload, timeout=timeout)
 
 
-async def _gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+async def gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     """Run coroutines concurrently; the first failure cancels the rest and is raised as is."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

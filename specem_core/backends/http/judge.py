@@ -5,7 +5,7 @@ cannot score a candidate token by token. :class:`APIJudgeMember` uses such a mod
 :class:`~specem_core.backends.http.member.OpenAIHTTPMember` with ``verify_mode="judge"`` (the
 prompt, the defences against position bias and against candidates that talk to the judge:
 :mod:`specem_core.backends.http.judge_prompt`; the scoring round:
-:func:`specem_core.backends.http.member.judge_scores`).
+:func:`specem_core.backends.http.judge_scoring.judge_scores`).
 
 The judge builds on the member: this module imports :mod:`~specem_core.backends.http.member`,
 never the other way round.
@@ -24,14 +24,14 @@ if TYPE_CHECKING:
 
     from specem_core.backends.http.client import RetryPolicy
     from specem_core.backends.http.judge_prompt import JudgeOptions
-    from specem_core.backends.http.member import DraftMode
+    from specem_core.backends.http.probe import DraftMode
 
 
 class APIJudgeMember(OpenAIHTTPMember):
     """A chat model (typically closed: OpenAI, Anthropic-compatible gateways, …) as a judge.
 
     It verifies through the judge prompt and, with ``can_draft=True``, drafts through the
-    documented continue-prompt (:data:`specem_core.backends.http.member.CONTINUE_PROMPT`).
+    documented continue-prompt (:data:`specem_core.backends.http.continuation.CONTINUE_PROMPT`).
 
     Example:
         >>> judge = APIJudgeMember("https://api.openai.com/v1", "gpt-4o-mini",

@@ -26,7 +26,7 @@ A judge answer that puts no mass on any label abstains: its row is uniform (neut
 vote) and ``member.stats.judge_abstentions`` counts it.
 
 The round itself (one request per order, averaging, flagging) is
-:func:`specem_core.backends.http.member.judge_scores`, part of the member: any
+:func:`specem_core.backends.http.judge_scoring.judge_scores`, part of every member: any
 :class:`~specem_core.backends.http.member.OpenAIHTTPMember` can verify this way (``verify_mode="auto"``
 falls back to it). :class:`~specem_core.backends.http.judge.APIJudgeMember` is a member that only judges.
 """
@@ -183,7 +183,8 @@ def label_probabilities(alternatives: Sequence[tuple[str, float]], n_labels: int
     return [m / total for m in mass]
 
 
-def _nonce(texts: Sequence[str]) -> str:
+def nonce(texts: Sequence[str]) -> str:
+    """A random tag that appears in none of ``texts`` (the candidates cannot forge their delimiters)."""
     while True:
         nonce = secrets.token_hex(4)
         if not any(nonce in t for t in texts):

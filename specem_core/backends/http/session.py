@@ -1,0 +1,318 @@
+"""One request's state on a server member: the prompt in the member's own format, the committed
+answer, the requests in flight; drafting in the member's draft mode and scoring in its verify mode
+(exact echo log-probs, or the judge: :mod:`specem_core.backends.http.judge_scoring`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
+from specem_core.backends.http.alignment import (
+    EchoAlignment,
+    EchoLogprobs,
+    align_echo,
+    near_tie,
+    parse_echo_logprobs,
+    span_logprobs,
+    top_token,
+)
+from specem_core.backends.http.client import Inflight, gather, log, run_async, run_sync
+from specem_core.backends.http.continuation import CONTINUE_PROMPT, continuation_anchor, splice_continuation
+from specem_core.backends.http.errors import (
+    AlignmentError,
+    CapabilityError,
+    RequestCancelledError,
+    ServerResponseError,
+)
+from specem_core.backends.http.interface import ServerMember
+from specem_core.backends.http.judge_scoring import judge_scores
+from specem_core.backends.http.responses import chat_content, first_choice
+from specem_core.backends.http.tokenizer import TemplateOnly
+from specem_core.chat_format import PLAIN_TURN_STOPS
+from specem_core.errors import ContextWindowError
+from specem_core.scoring import softmax
+from specem_core.types import Candidate, CandidateScore, Draft
+
+T = TypeVar("T")
+
+
+class OpenAIHTTPSession(MemberSession):
+    """One request's state: the prompt, the committed text, the in-flight requests."""
+
+    def __init__(self, member: ServerMember, request: SessionRequest) -> None:
+        self._m = member
+        self._request = request
+        draft_mode, verify_mode = member.modes
+        self.draft_mode = draft_mode
+        self.verify_mode = verify_mode
+        self._messages = [dict(m) for m in request.messages]
+        self._tools = list(request.tools) if request.tools else None
+        self._prompt = member.render_prompt(self._messages, self._tools)
+        self._text = ""
+        self._seed = request.seed
+        self._round = 0
+        self._inflight = Inflight()
+        self._closed = False
+        self._offset_shift: int | None = None
+        self._chars_per_token = 4.0
+        self._drafted_chars = 0
+        self._drafted_tokens = 0
+        tok = member.tokenizer
+        self._exact_counts = tok is not None and not isinstance(tok, TemplateOnly) and member.chat is not None
+        self._prompt_tokens = self._count(self._prompt) if self._exact_counts else self._estimate(self._prompt)
+        self._completion_tokens = 0
+        window = member.context_window
+        if window and self._prompt_tokens + 2 > window:
+            raise ContextWindowError(
+                f"the prompt is about {self._prompt_tokens} tokens for member {member.name!r}, "
+                f"whose context window is {window}"
+            )
+
+    # -- token accounting -------------------------------------------------------------------
+    def _count(self, text: str) -> int:
+        return len(self._m.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    def _estimate(self, text: str) -> int:
+        return math.ceil(len(text) / self._chars_per_token) if text else 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in this member's tokens (exact with a local tokenizer, else reported by
+        the server after the first draft, else estimated)."""
+        return self._prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        """Committed response length in this member's tokens (exact with a local tokenizer)."""
+        return self._completion_tokens
+
+    # -- protocol ---------------------------------------------------------------------------
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue ``prompt + committed`` by up to ``max_tokens`` tokens (one HTTP request; the
+        server drafts on its own, so ``hints`` are not used)."""
+        return self._sync(self.adraft_core(max_tokens, sampling))
+
+    def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        """Score every candidate (concurrent requests): exact log-probs, or the judge."""
+        return self._sync(self.ascore_core(candidates, score_eos=score_eos))
+
+    def commit(self, text: str, *, final: bool = False) -> None:
+        """Append the winner to the committed text (no request: servers are stateless)."""
+        self._text += text
+        if self._exact_counts:
+            self._completion_tokens = self._count(self._text)
+        else:
+            self._completion_tokens = self._estimate(self._text)
+
+    def close(self) -> None:
+        """Cancel whatever is still in flight."""
+        self._closed = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel the in-flight requests of this session (their callers get :class:`RequestCancelledError`)."""
+        self._inflight.cancel()
+
+    async def adraft(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+        """Async :meth:`draft` (from any event loop)."""
+        return await run_async(self._open(self.adraft_core(max_tokens, sampling)), track=self._inflight)
+
+    async def ascore(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        """Async :meth:`score` (from any event loop)."""
+        return await run_async(self._open(self.ascore_core(candidates, score_eos=score_eos)), track=self._inflight)
+
+    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        return run_sync(self._open(coro), track=self._inflight)
+
+    def _open(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coro``, refused when the session is closed: a closed session sends no request, from
+        the sync calls and the async ones alike."""
+        if self._closed:
+            coro.close()
+            raise RequestCancelledError("the session is closed")
+        return coro
+
+    # -- drafting ---------------------------------------------------------------------------
+    async def adraft_core(self, max_tokens: int, sampling: SamplingParams) -> Draft:
+        """Drafting on the background loop."""
+        started = time.perf_counter()
+        self._round += 1
+        m = self._m
+        seed = None if self._seed is None else self._seed + self._round
+        params = m.sampling_body(sampling, seed)
+        if self.draft_mode == "completions":
+            stops = list(PLAIN_TURN_STOPS) if m.chat is None else ([m.end_of_turn] if m.end_of_turn else [])
+            payload = m.body(prompt=self._prompt + self._text, max_tokens=max_tokens, **params)
+            if stops:
+                payload["stop"] = stops
+            answer = await m.client.post("/completions", payload)
+            choice = first_choice(answer)
+            text = choice.get("text")
+            if not isinstance(text, str):
+                raise ServerResponseError("completion has no text")
+        elif self.draft_mode == "chat_prefill":
+            msgs = self._m.chat_messages(self._messages, self._tools)
+            extra: dict[str, Any] = {}
+            if self._text:
+                msgs.append({"role": "assistant", "content": self._text})
+                extra = {"continue_final_message": True, "add_generation_prompt": False}
+            payload = m.body(messages=msgs, max_tokens=max_tokens, **params, **extra)
+            answer = await m.client.post("/chat/completions", payload)
+            choice = first_choice(answer)
+            text = chat_content(answer)
+        else:
+            msgs = self._m.chat_messages(self._messages, self._tools)
+            anchor = ""
+            budget = max_tokens
+            if self._text:
+                anchor = continuation_anchor(self._text)
+                msgs.append({"role": "assistant", "content": self._text})
+                msgs.append({"role": "user", "content": CONTINUE_PROMPT.format(partial=self._text, anchor=anchor)})
+                budget = max_tokens + max(2, len(anchor) // 3 + 2)
+            answer = await m.client.post("/chat/completions", m.body(messages=msgs, max_tokens=budget, **params))
+            choice = first_choice(answer)
+            text = splice_continuation(self._text, chat_content(answer), anchor)
+        finish = choice.get("finish_reason")
+        ended = finish == "stop"
+        text = text.rstrip("\ufffd")
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if not isinstance(tokens, int) or tokens < 0:
+            tokens = max(1, self._estimate(text)) if text else 0
+        if self.draft_mode == "completions" and not self._text and isinstance(usage, dict) and not self._exact_counts:
+            prompt_tokens = usage.get("prompt_tokens")
+            if isinstance(prompt_tokens, int) and prompt_tokens > 0:
+                self._prompt_tokens = prompt_tokens
+        if text and tokens:
+            self._drafted_chars += len(text)
+            self._drafted_tokens += tokens
+            self._chars_per_token = max(1.0, self._drafted_chars / self._drafted_tokens)
+        m.stats.drafts += 1
+        m.stats.seconds["draft"] = m.stats.seconds.get("draft", 0.0) + time.perf_counter() - started
+        return Draft(text=text, ended=ended, tokens=tokens)
+
+    # -- verification -----------------------------------------------------------------------
+    async def ascore_core(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
+        """Scoring on the background loop."""
+        started = time.perf_counter()
+        try:
+            if not candidates:
+                return []
+            if self.verify_mode == "judge":
+                return await judge_scores(self._m, self._messages, self._text, candidates, score_eos, self._round)
+            if self.verify_mode != "logprobs":
+                raise CapabilityError(f"{self._m.name} cannot verify")
+            scored = await gather([self._score_one(c, score_eos) for c in candidates])
+            known = [s[0] for s in scored if s is not None]
+            neutral = sum(known) / len(known) if known else 0.0
+            means = [(s[0], s[1]) if s is not None else (neutral, 0) for s in scored]
+            probs = softmax([mean for mean, _ in means])
+            self._m.stats.scored_candidates += len(candidates)
+            return [
+                CandidateScore(mean_logit=None, mean_logprob=mean, n_tokens=n, probability=p)
+                for (mean, n), p in zip(means, probs, strict=True)
+            ]
+        finally:
+            stats = self._m.stats.seconds
+            stats["score"] = stats.get("score", 0.0) + time.perf_counter() - started
+
+    async def _score_one(self, cand: Candidate, score_eos: bool) -> tuple[float, int] | None:
+        """Mean log-prob and token count of one candidate; ``None`` when there is nothing to score
+        (an empty finished candidate and no known end-of-turn token): it gets the row's mean."""
+        m = self._m
+        caps = m.capabilities
+        assert caps is not None
+        assert caps.echo_shift is not None
+        base = self._prompt + self._text
+        with_eos = cand.ended and (score_eos or not cand.text) and m.end_of_turn is not None
+        if not cand.text and not with_eos:
+            return None
+        sent = base + cand.text + (m.end_of_turn or "" if with_eos else "")
+        text_end = len(base) + len(cand.text)
+        max_tokens = 0 if caps.max_tokens_zero == "zero" else 1
+        k = max(1, m.top_logprobs if caps.echo_shift == 1 else 1)
+        payload = m.body(prompt=sent, max_tokens=max_tokens, echo=True, logprobs=k, **m.greedy_body())
+        echo = parse_echo_logprobs(await m.client.post("/completions", payload))
+        if not echo.text.startswith(sent):
+            raise AlignmentError("the echoed text differs from the prompt that was sent")
+        # Validate from the start of the answer (for an empty answer: the prompt's last character).
+        region_start = min(len(self._prompt), max(0, text_end - 1))
+        alignment = align_echo(
+            sent,
+            echo,
+            region_start=region_start,
+            text_end=text_end,
+            eot_text=m.end_of_turn if with_eos else None,
+            max_generated=max_tokens,
+            known_shift=self._offset_shift,
+        )
+        self._offset_shift = alignment.offset_shift
+        span = span_logprobs(
+            echo,
+            alignment,
+            span_start=len(base),
+            span_end=text_end,
+            with_eos=with_eos,
+            eot_text=m.end_of_turn,
+            shift=caps.echo_shift,
+        )
+        self._check_greedy(echo, alignment, sent, caps.echo_shift, with_eos)
+        if span.missing:
+            if m.strict_scoring:
+                raise AlignmentError(f"{span.missing} token(s) missing from the server's top_logprobs")
+            m.stats.inexact_tokens += span.missing
+            log.warning(
+                "%s: %d token(s) not in the previous slot's top-%d; scored with that slot's lowest listed log-prob",
+                m.name,
+                span.missing,
+                k,
+            )
+        if span.eos_unknown:
+            if m.strict_scoring:
+                raise AlignmentError("the end-of-turn log-prob is unknown on this (shifted) server")
+            m.stats.inexact_tokens += 1
+            log.warning("%s: end-of-turn log-prob unknown on a shifted server; scored the text only", m.name)
+        if not span.logprobs:
+            return None
+        return sum(span.logprobs) / len(span.logprobs), len(span.logprobs)
+
+    def _check_greedy(
+        self, echo: EchoLogprobs, alignment: EchoAlignment, sent: str, shift: int, with_eos: bool
+    ) -> None:
+        """The server's own greedy token must be the top-1 of the slot the probe says predicts it."""
+        generated = echo.text[len(sent) :]
+        if not generated or not alignment.text_entries:
+            return
+        last_prompt = alignment.next_entry if with_eos else alignment.text_entries[-1]
+        if last_prompt is None:
+            return
+        if shift == 0:
+            slot = last_prompt + 1
+            if slot >= len(echo.tokens):  # an aligned echo lists the generated token after the prompt
+                raise AlignmentError(
+                    "the echo does not list the generated token: the server pairs tokens and log-probs "
+                    "differently than the probe found"
+                )
+            if echo.tokens[slot] != generated:
+                return
+            expected = echo.tokens[slot]
+        else:
+            slot = last_prompt
+            expected = generated
+        top = echo.top_logprobs[slot]
+        predicted = top_token(top)
+        if predicted is not None and predicted != expected and not near_tie(top):
+            raise AlignmentError(
+                f"the server's greedy token {expected!r} is not the top-1 ({predicted!r}) of the slot that "
+                "the probed alignment says predicts it; the echo alignment changed"
+            )
