@@ -97,26 +97,42 @@ def humaneval_completion(reply: str, entry_point: str) -> str:
 
 
 def humaneval_program(row: dict[str, Any], reply: str) -> str:
-    """The program graded for a reply: the problem's prompt (its imports and helper functions, the
-    stub with its docstring), the completion, the tests and ``check(entry_point)``. A completion
-    that defines the whole function replaces the stub (defined later, it wins); one that is only a
-    body continues the stub, indented as a body when it came unindented."""
+    """The program graded for a reply (it only defines the function; the tests run apart, see
+    :func:`humaneval_tests`): the problem's prompt (its imports and helper functions, the stub with
+    its docstring) and the completion. A completion that defines the whole function replaces the
+    stub (defined later, it wins); one that is only a body continues the stub, indented as a body
+    when it came unindented."""
     code = humaneval_completion(reply, row["entry_point"])
     defines = re.search(rf"^\s*(async\s+)?def\s+{re.escape(row['entry_point'])}\s*\(", code, re.M)
     if defines:
-        body = row["prompt"] + "\n" + code
-    else:
-        lines = code.splitlines()
-        indented = any(line.startswith((" ", "\t")) for line in lines if line.strip())
-        body = row["prompt"] + ("\n".join(lines) if indented else "\n".join("    " + x for x in lines))
-    return f"{body}\n\n{row['test']}\n\ncheck({row['entry_point']})\n"
+        return row["prompt"] + "\n" + code + "\n"
+    lines = code.splitlines()
+    indented = any(line.startswith((" ", "\t")) for line in lines if line.strip())
+    return row["prompt"] + ("\n".join(lines) if indented else "\n".join("    " + x for x in lines)) + "\n"
+
+
+def humaneval_tests(row: dict[str, Any]) -> str:
+    """The problem's tests as they run, in a sandbox of their own, against the program's function:
+    the prompt (for the helper functions some tests call, e.g. ``poly``), the entry point's name
+    bound to ``candidate`` (the sandbox's proxy to the program's function; some tests call the
+    function by name), the tests and ``check(entry_point)``."""
+    entry = row["entry_point"]
+    return f"{row['prompt']}\n\n{entry} = candidate\n\n{row['test']}\n\ncheck({entry})\n"
 
 
 def grade_humaneval(row: dict[str, Any], reply: str) -> dict[str, Any]:
-    """Run the reply's program in the sandbox: ``{"passed", "error_kind", "error", "grade_seconds"}``."""
+    """Run the reply's program in the sandbox against the problem's tests (in a sandbox of their
+    own): ``{"passed", "error_kind", "error", "grade_seconds"}``. Raises
+    :class:`.sandbox.SandboxUnavailable` where the sandbox cannot be set up (nothing is graded)."""
     from .sandbox import run_program
 
-    outcome = run_program(humaneval_program(row, reply), timeout=HUMANEVAL_TIMEOUT, memory_mb=1024)
+    outcome = run_program(
+        humaneval_program(row, reply),
+        tests=humaneval_tests(row),
+        entry_point=row["entry_point"],
+        timeout=HUMANEVAL_TIMEOUT,
+        memory_mb=1024,
+    )
     return {"passed": outcome.passed, "error_kind": outcome.kind, "error": outcome.detail,
             "grade_seconds": round(outcome.seconds, 3)}  # fmt: skip
 
