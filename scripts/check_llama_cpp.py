@@ -27,7 +27,8 @@ def child() -> None:
     """Decode ``TEXT`` both ways and print the largest difference (the process may crash)."""
     import math
 
-    from specem_core.backends.llama_cpp import LlamaCppModel, batch_noise
+    from specem_core.backends.llama_cpp import LlamaCppModel
+    from specem_core.testing.llama_cpp_diagnostics import batch_noise
     from specem_core.models import find_packaged, packaged_gguf
 
     packaged = find_packaged("smollm2")

@@ -22,14 +22,13 @@ from specem_core import (  # noqa: E402
     SpecEM,
     SpecEMConfig,
 )
-from specem_core.backends._drafts import common_prefix  # noqa: E402
+from specem_core.backends._local import common_prefix  # noqa: E402
 from specem_core.backends.llama_cpp import (  # noqa: E402
     LlamaCppMember,
     LlamaCppModel,
-    batch_noise,
-    evaluate_from_scratch,
     requantize,
 )
+from specem_core.testing.llama_cpp_diagnostics import batch_noise, evaluate_from_scratch  # noqa: E402
 from specem_core.testing.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
 from specem_core.scoring import argmax_first, combine, normalize_row  # noqa: E402
 
@@ -53,14 +52,14 @@ into batches moves logits by ~0.2-0.3 even in Q4_1 (``_split_noise``)."""
 def _split_noise(model: LlamaCppModel, ids: list[int], tail: int = 4) -> float:
     """How far the last ``tail`` positions' logits move when ``ids`` is decoded as one batch or as
     ``ids[:-tail]`` then ``ids[-tail:]`` (what a cached session does)."""
-    from specem_core.backends.llama_cpp import _Work
+    from specem_core.backends.llama_cpp._binding import Work
 
     whole = evaluate_from_scratch(model, ids, lambda i: i >= len(ids) - tail)
     ctx = model.acquire_context()
     try:
         head = len(ids) - tail
-        ctx.decode(_Work(ids[:head], list(range(head)), [0] * head, [None] * head))
-        rows = ctx.decode(_Work(ids[head:], list(range(head, len(ids))), [0] * tail, [-1] * tail)).rows
+        ctx.decode(Work(ids[:head], list(range(head)), [0] * head, [None] * head))
+        rows = ctx.decode(Work(ids[head:], list(range(head, len(ids))), [0] * tail, [-1] * tail)).rows
         return max(float(abs(rows[i] - whole[head + i]).max()) for i in range(tail))
     finally:
         model.release_context(ctx)

@@ -146,7 +146,8 @@ def _naive_draft_llama(member: LlamaCppMember, prompt: list[int], response: str,
     """:func:`naive_draft` on llama.cpp: every token re-reads the whole prefix in a fresh sequence."""
     import numpy as np
 
-    from specem_core.backends.llama_cpp import _incomplete_utf8, evaluate_from_scratch
+    from specem_core.backends.llama_cpp._binding import incomplete_utf8
+    from specem_core.testing.llama_cpp_diagnostics import evaluate_from_scratch
 
     resp_ids = member.encode_response(response)
     new: list[int] = []
@@ -162,16 +163,16 @@ def _naive_draft_llama(member: LlamaCppMember, prompt: list[int], response: str,
             ended = True
             break
         new.append(token)
-        if len(new) >= max_tokens and (not _incomplete_utf8(member.decode_bytes(new)) or len(new) >= max_tokens + 4):
+        if len(new) >= max_tokens and (not incomplete_utf8(member.decode_bytes(new)) or len(new) >= max_tokens + 4):
             break
-    while new and _incomplete_utf8(member.decode_bytes(new)):
+    while new and incomplete_utf8(member.decode_bytes(new)):
         new.pop()
         ended = False
     return member.decode_bytes(new).decode("utf-8", errors="replace"), ended
 
 
 def _authors_draft_llama(member: LlamaCppMember, prompt: list[int], response: str, max_tokens: int) -> tuple[str, bool]:
-    from specem_core.backends.llama_cpp import generate_greedy
+    from specem_core.testing.llama_cpp_diagnostics import generate_greedy
 
     resp_ids = member.encode_response(response)
     new = generate_greedy(member.model, prompt + resp_ids, max_tokens, banned=member.suppress_ids)
@@ -193,7 +194,7 @@ def _naive_scores_llama(
     """:func:`naive_scores` on llama.cpp: each candidate evaluated with its whole prefix, from scratch."""
     import numpy as np
 
-    from specem_core.backends.llama_cpp import evaluate_from_scratch
+    from specem_core.testing.llama_cpp_diagnostics import evaluate_from_scratch
 
     resp_ids = member.encode_response(response)
     out: list[tuple[float, float]] = []

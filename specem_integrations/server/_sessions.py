@@ -68,6 +68,16 @@ class CountedSession:
         """Committed response length in the member's tokens."""
         return self._inner.completion_tokens
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the member read from its prefix cache (0 for members without one)."""
+        return int(getattr(self._inner, "cached_tokens", 0))
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens the member prefilled for this request (0 where it does not count them)."""
+        return int(getattr(self._inner, "prefilled_tokens", 0))
+
     def draft(
         self,
         max_tokens: int,

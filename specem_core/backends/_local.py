@@ -1,0 +1,477 @@
+"""What the local backends (llama.cpp and transformers) share: drafts, scores, healing, vocabulary
+queries and the prefix cache across requests.
+
+A session keeps the draft it made this round so that scoring its own candidate costs nothing: the
+raw logit and log-prob of every picked token were recorded while drafting. The rules for where a
+draft ends (length cap, a multi-byte character finished, a line end, the chat format's turn-stop
+strings) and token healing are written once here, over a few hooks each backend implements
+(:class:`LocalSession`). :class:`PrefixStore` keeps the KV prefixes of finished requests so that a
+follow-up turn, or another request with the same system prompt, prefills only what is new.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
+
+from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
+from specem_core.errors import ConfigError, ContextWindowError
+from specem_core.types import Candidate, CandidateScore, Draft
+
+UTF8_EXTRA_TOKENS = 4
+"""Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
+DEFAULT_PREFIX_CACHE_TOKENS = 16384
+"""Tokens of finished requests' prefixes a member keeps by default (``prefix_cache_tokens``); the
+memory this costs is measured in the Performance report."""
+MIN_SHARED_FRACTION = 0.1
+"""A cached prefix is worth taking over (rather than a free KV cache) when it covers at least this
+share of the new prompt (the llama.cpp server's ``--slot-prompt-similarity`` default)."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class DraftState:
+    """A session's draft of the current round."""
+
+    ids: list[int]
+    token_scores: list[tuple[float, float]]
+    """(raw logit, log-prob) of each drafted token, as the drafter saw them."""
+    eos_score: tuple[float, float] | None
+    ended: bool
+    text: str
+    fed: int
+    """How many of ``ids`` are in the cache (all but the last, unless the draft ended)."""
+    canonical: bool
+    """False when the text was cut (turn-stop string, incomplete character) or healed."""
+
+    def own_score(
+        self, cand: Candidate, *, resp_len: int, lcp: int, new_ids: Sequence[int], with_eos: bool
+    ) -> CandidateScore | None:
+        """The candidate's score from the recorded token scores when it is exactly this draft
+        (same text, same canonical tokens after the committed ids), else None."""
+        if (
+            self.canonical
+            and self.text == cand.text
+            and self.ended == cand.ended
+            and lcp == resp_len
+            and list(new_ids) == self.ids
+            and (not with_eos or self.eos_score is not None)
+        ):
+            own = list(self.token_scores) + ([self.eos_score] if with_eos and self.eos_score else [])
+            return mean_score(own)
+        return None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def mean_score(scores: Sequence[tuple[float, float]]) -> CandidateScore:
+    """Mean raw logit and mean log-prob of ``(raw, log-prob)`` pairs."""
+    if not scores:
+        return CandidateScore(mean_logit=0.0, mean_logprob=0.0, n_tokens=0)
+    return CandidateScore(
+        mean_logit=sum(s[0] for s in scores) / len(scores),
+        mean_logprob=sum(s[1] for s in scores) / len(scores),
+        n_tokens=len(scores),
+    )
+
+
+Pending = tuple[int, str, list[int], int, bool]
+"""A candidate to score in a forward pass: (index, text, committed+text ids, common prefix with the
+committed ids, whether its end-of-turn token is scored too)."""
+
+
+def plan_scores(
+    candidates: Sequence[Candidate],
+    *,
+    encode: Callable[[str], list[int]],
+    committed_text: str,
+    committed_ids: Sequence[int],
+    draft: DraftState | None,
+    score_eos: bool,
+) -> tuple[list[CandidateScore | None], list[Pending]]:
+    """Which candidates need a forward pass: a session's own draft is scored from its recorded
+    token scores; every other candidate is re-encoded together with the committed text (text is
+    the source of truth) and listed as pending."""
+    out: list[CandidateScore | None] = [None] * len(candidates)
+    pending: list[Pending] = []
+    for n, cand in enumerate(candidates):
+        full = encode(committed_text + cand.text)
+        lcp = common_prefix(committed_ids, full)
+        new_ids = full[lcp:]
+        with_eos = cand.ended and (score_eos or not new_ids)
+        own = (
+            draft.own_score(cand, resp_len=len(committed_ids), lcp=lcp, new_ids=new_ids, with_eos=with_eos)
+            if draft
+            else None
+        )
+        if own is not None:
+            out[n] = own
+            continue
+        if not new_ids and not with_eos:
+            with_eos = True  # nothing to score but the end of turn
+        pending.append((n, cand.text, full, lcp, with_eos))
+    return out, pending
+
+
+def check_prefix_cache_tokens(value: int) -> int:
+    """``prefix_cache_tokens`` checked: a budget of 0 or more tokens."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"prefix_cache_tokens must be an integer >= 0 (tokens kept per member), got {value!r}")
+    return value
+
+
+@dataclass
+class CachedPrefix(Generic[T]):
+    """One finished request's KV prefix: the token ids it holds and the backend's handle on them."""
+
+    ids: tuple[int, ...]
+    value: T
+    last_used: int = 0
+
+
+@dataclass
+class PrefixMatch(Generic[T]):
+    """The entry a new prompt shares the longest prefix with, and how many tokens it can reuse."""
+
+    entry: CachedPrefix[T]
+    reused: int
+
+
+class PrefixStore(Generic[T]):
+    """KV prefixes of finished requests, matched on token ids (never text).
+
+    ``find`` returns the entry sharing the longest common prefix with a new prompt (ties: the least
+    recently used, as the llama.cpp server picks its slots), capped at ``len(prompt) - 1`` so that at
+    least one token is decoded for fresh next-token logits. ``add`` keeps at most ``budget_tokens``
+    tokens in all, evicting the least recently used entries, and supersedes an entry whose ids
+    are a prefix of the new one (the same conversation one turn earlier). Thread-safe.
+
+    Args:
+        budget_tokens: most tokens held by all entries together (0 keeps nothing).
+        on_evict: called with each evicted entry's value (frees what it holds).
+    """
+
+    def __init__(self, budget_tokens: int, on_evict: Callable[[T], None] | None = None) -> None:
+        self.budget_tokens = check_prefix_cache_tokens(budget_tokens)
+        self._on_evict = on_evict
+        self._entries: list[CachedPrefix[T]] = []
+        self._clock = itertools.count(1)
+        self._lock = threading.Lock()
+        self.lookups = 0
+        """Prompts looked up (for tests and benchmarks)."""
+        self.reused_tokens = 0
+        """Tokens served from the store, all lookups together."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held by all entries."""
+        with self._lock:
+            return sum(len(e.ids) for e in self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def find(self, prompt: Sequence[int], *, min_reused: int = 1, take: bool = False) -> PrefixMatch[T] | None:
+        """The entry with the longest common prefix of at least ``min_reused`` tokens, or None.
+
+        With ``take`` the entry leaves the store (an exclusive handle such as a llama.cpp context);
+        otherwise it stays and only becomes the most recently used (shared, read-only tensors).
+        """
+        cap = len(prompt) - 1
+        with self._lock:
+            self.lookups += 1
+            best: PrefixMatch[T] | None = None
+            for entry in self._entries:
+                reused = min(common_prefix(entry.ids, prompt), cap)
+                if reused < max(min_reused, 1):
+                    continue
+                if (
+                    best is None
+                    or reused > best.reused
+                    or (reused == best.reused and entry.last_used < best.entry.last_used)
+                ):
+                    best = PrefixMatch(entry, reused)
+            if best is None:
+                return None
+            if take:
+                self._entries.remove(best.entry)
+            else:
+                best.entry.last_used = next(self._clock)
+            self.reused_tokens += best.reused
+            return best
+
+    def pop_least_recent(self) -> CachedPrefix[T] | None:
+        """Remove and return the least recently used entry (None when empty); not evicted: the
+        caller takes over its value."""
+        with self._lock:
+            if not self._entries:
+                return None
+            entry = min(self._entries, key=lambda e: e.last_used)
+            self._entries.remove(entry)
+            return entry
+
+    def add(self, ids: Sequence[int], value: T) -> bool:
+        """Keep ``value`` for ``ids`` as the most recently used entry; False (nothing kept, and the
+        value evicted) when ``ids`` is empty or longer than the whole budget."""
+        key = tuple(ids)
+        evicted: list[T] = []
+        kept = False
+        with self._lock:
+            if key and len(key) <= self.budget_tokens:
+                for entry in [e for e in self._entries if key[: len(e.ids)] == e.ids]:
+                    self._entries.remove(entry)  # the same conversation, shorter: superseded
+                    evicted.append(entry.value)
+                self._entries.append(CachedPrefix(key, value, next(self._clock)))
+                kept = True
+                total = sum(len(e.ids) for e in self._entries)
+                while total > self.budget_tokens:
+                    oldest = min(self._entries, key=lambda e: e.last_used)
+                    self._entries.remove(oldest)
+                    total -= len(oldest.ids)
+                    evicted.append(oldest.value)
+            else:
+                evicted.append(value)
+        for value_out in evicted:
+            if self._on_evict is not None:
+                self._on_evict(value_out)
+        return kept
+
+    def clear(self) -> None:
+        """Evict every entry."""
+        with self._lock:
+            entries, self._entries = self._entries, []
+        for entry in entries:
+            if self._on_evict is not None:
+                self._on_evict(entry.value)
+
+
+def consistent(method: Callable[..., T]) -> Callable[..., T]:
+    """Mark a session call that changes its KV state: a session whose last such call raised holds
+    rows nobody can vouch for, and :meth:`LocalSession.reusable_prefix` then offers none."""
+
+    @functools.wraps(method)
+    def wrapper(self: LocalSession, *args: Any, **kwargs: Any) -> T:
+        self._consistent = False
+        result = method(self, *args, **kwargs)
+        self._consistent = True
+        return result
+
+    return wrapper
+
+
+class LocalVocabulary:
+    """Vocabulary queries of a local member, from the text of each token (token healing).
+
+    A member provides ``stop_ids``, ``suppress_ids``, ``encode_response`` and the hooks
+    ``_token_texts`` (every token's text) and ``_decode_text`` (ids to text).
+    """
+
+    stop_ids: frozenset[int]
+    suppress_ids: list[int]
+
+    def encode_response(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def _token_texts(self) -> list[str]:
+        raise NotImplementedError
+
+    def _decode_text(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def _never_drafted(self) -> set[int]:
+        """Tokens no draft may contain (end of turn, control tokens)."""
+        return set(self.stop_ids) | set(self.suppress_ids)
+
+    def token_text(self, token: int) -> str:
+        """The text one token stands for alone ('' for tokens that are not whole characters)."""
+        texts = self._token_texts()
+        return texts[token] if 0 <= token < len(texts) else ""
+
+    def tokens_extending(self, prefix: str) -> list[int]:
+        """Ids of the (non-special) tokens whose text starts with ``prefix`` (cached per prefix)."""
+        cache: dict[str, list[int]] = self.__dict__.setdefault("_extending_cache", {})
+        if prefix not in cache:
+            banned = self._never_drafted()
+            cache[prefix] = [i for i, t in enumerate(self._token_texts()) if t.startswith(prefix) and i not in banned]
+            if len(cache) > 4096:
+                cache.pop(next(iter(cache)))
+        return list(cache[prefix])
+
+    def token_texts_concatenate(self) -> bool:
+        """True when the tokens' texts joined give the decoded text back (byte-level BPE, as SmolLM2
+        and Qwen); SentencePiece tokenizers that drop a leading space are not healed."""
+        if "_concatenates" not in self.__dict__:
+            probe = "Hello world. It's 2024, e.g. www.example.com!"
+            ids = self.encode_response(probe)
+            joined = "".join(self.token_text(i) for i in ids)
+            self.__dict__["_concatenates"] = bool(ids) and joined == self._decode_text(ids) == probe
+        return bool(self.__dict__["_concatenates"])
+
+
+class LocalSession(MemberSession):
+    """The request state both local backends keep, and what they do the same way with it.
+
+    State: the prompt ids, the committed response (text and canonical ids), this round's draft,
+    and which response ids the KV cache holds (for the prefix cache). A backend implements the
+    KV hooks ``_set_length``, ``_feed``, ``_cache_length``, ``_committed_head`` /
+    ``_set_committed_head`` (next-token logits after the committed prefix), ``_draft_from`` (its
+    drafting loop) and the text hooks ``_draft_text``, ``_incomplete``, ``_has_newline``.
+    """
+
+    _m: Any
+
+    def _start(self, member: Any, request: SessionRequest) -> None:
+        """Encode the prompt and check that it fits (no model work)."""
+        self._prompt_ids: list[int] = member.encode_prompt(request)
+        if not self._prompt_ids:
+            raise ContextWindowError(f"{member.name}: the prompt encodes to no tokens")
+        window = member.context_window
+        if window and len(self._prompt_ids) + 2 > window:
+            raise ContextWindowError(
+                f"the prompt is {len(self._prompt_ids)} tokens for member {member.name!r}, "
+                f"whose context window is {window}"
+            )
+        self._text = ""
+        self._resp_ids: list[int] = []
+        self._draft: DraftState | None = None
+        self._cached_resp: list[int] = []
+        """The response ids whose KV rows follow the prompt's in the cache (committed ones; the
+        cache may hold draft rows beyond them)."""
+        self._consistent = True
+        self.cached_tokens = 0
+        """Prompt tokens read from the prefix cache instead of prefilled (this request)."""
+        self.prefilled_tokens = 0
+        """Tokens this session ran through the model in prefills (prompt and catch-up feeds)."""
+
+    # -- protocol ---------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in this member's tokens."""
+        return len(self._prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Committed response length in this member's tokens."""
+        return len(self._resp_ids)
+
+    def _committed_len(self) -> int:
+        return len(self._prompt_ids) + len(self._resp_ids)
+
+    def reusable_prefix(self) -> list[int]:
+        """The token ids whose KV rows this session can hand to a later request: the prompt and
+        the committed response the cache holds, up to the cache's length; none after a failed call."""
+        if not self._consistent:
+            return []
+        held = self._prompt_ids + self._cached_resp
+        return held[: min(len(held), self._cache_length())]
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _set_length(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _feed(self, ids: Sequence[int]) -> Any:
+        raise NotImplementedError
+
+    def _cache_length(self) -> int:
+        raise NotImplementedError
+
+    def _committed_head(self) -> Any:
+        raise NotImplementedError
+
+    def _set_committed_head(self, logits: Any) -> None:
+        raise NotImplementedError
+
+    def _draft_from(self, logits: Any, allowed_first: list[int], max_tokens: int, sampling: SamplingParams) -> Draft:
+        raise NotImplementedError
+
+    def _draft_text(self, ids: Sequence[int]) -> str:
+        """The text ``ids`` add after the committed response."""
+        raise NotImplementedError
+
+    def _incomplete(self, ids: Sequence[int]) -> bool:
+        """Whether ``ids`` end inside a multi-byte character."""
+        raise NotImplementedError
+
+    def _has_newline(self, token: int) -> bool:
+        raise NotImplementedError
+
+    # -- drafting rules -----------------------------------------------------------------------
+    def _draft_is_full(self, ids: Sequence[int], token: int, max_tokens: int, sampling: SamplingParams) -> bool:
+        """Whether the draft ends after ``token`` (the last of ``ids``): the length cap once no
+        character is left half-written (a few tokens more at most), or a line end when asked."""
+        if len(ids) >= max_tokens and (not self._incomplete(ids) or len(ids) >= max_tokens + UTF8_EXTRA_TOKENS):
+            return True
+        return sampling.stop_at_line_end and self._has_newline(token)
+
+    def _finish_draft(
+        self,
+        ids: list[int],
+        scores: list[tuple[float, float]],
+        eos_score: tuple[float, float] | None,
+        fed: int,
+        reused: int = 0,
+    ) -> Draft:
+        """Record the round's draft and return it: never half a character (trailing partial bytes
+        are dropped), cut at the chat format's turn-stop strings."""
+        ended = eos_score is not None
+        canonical = True
+        while ids and self._incomplete(ids):  # never hand out half a character
+            ids.pop()
+            scores.pop()
+            ended, eos_score, canonical = False, None, False
+        text = self._draft_text(ids)
+        for stop in self._m.chat.turn_stop_strings:
+            cut = text.find(stop)
+            if cut != -1:
+                text, ended, canonical = text[:cut], True, False
+        fed = min(fed, len(ids))
+        self._draft = DraftState(ids, scores, eos_score, ended, text, fed, canonical)
+        return Draft(text=text, ended=ended, tokens=len(ids) + (1 if eos_score is not None else 0), reused=reused)
+
+    def _draft_healed(self, max_tokens: int, sampling: SamplingParams) -> Draft | None:
+        """Token healing: drop the last committed token and redraw it among the tokens whose text
+        extends its text; the draft is what comes after the committed text. None when not applicable
+        (nothing committed, a tokenizer whose single tokens do not decode to their text, no choice)."""
+        if not self._resp_ids or not self._m.token_texts_concatenate():
+            return None
+        last = self._resp_ids[-1]
+        tail = self._m.token_text(last)
+        if not tail or not self._text.endswith(tail):
+            return None
+        allowed = self._m.tokens_extending(tail)
+        if len(allowed) <= 1:
+            return None  # only the token itself: nothing to heal
+        n = self._committed_len()
+        committed = self._prompt_ids + self._resp_ids
+        saved_resp, saved_text = self._resp_ids, self._text
+        self._set_length(n - 2)
+        logits = self._feed([committed[n - 2]])  # next-token logits before the last committed token
+        self._resp_ids, self._text = saved_resp[:-1], saved_text[: len(saved_text) - len(tail)]
+        try:
+            draft = self._draft_from(logits, allowed, max_tokens + 1, sampling)
+        finally:
+            self._resp_ids, self._text = saved_resp, saved_text
+            self._set_length(n - 1)  # back to the committed prefix: the healed draft's KV is not reused
+            self._set_committed_head(self._feed([committed[n - 1]]))
+        assert self._draft is not None
+        if not draft.text.startswith(tail):
+            self._draft = None
+            return self._draft_from(self._committed_head(), [], max_tokens, sampling)
+        text = draft.text[len(tail) :]
+        # the winner is re-encoded (canonically) by every member at commit; this draft's own scores
+        # cover the redrawn token too, so it is scored like any other member's candidate
+        self._draft = replace(self._draft, text=text, canonical=False)
+        return Draft(text=text, ended=draft.ended, tokens=draft.tokens)

@@ -1,0 +1,211 @@
+"""The llama.cpp binding: the ctypes library, one ``llama_context`` and a batch of work for it.
+
+Everything here talks to llama-cpp-python's low-level API; the model, member and session modules
+build on it. Each context holds sequence 0 for its session, scratch sequences for candidates and a
+ballast sequence that keeps retired cells occupied (see :mod:`.session` for why).
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from specem_core.errors import ModelNotFoundError, SpecEMError
+
+if TYPE_CHECKING:
+    from specem_core.backends.llama_cpp.model import LlamaCppModel
+
+DEFAULT_N_CTX = 4096
+SCRATCH_SEQUENCES = 14
+"""Candidates one verification pass can fork (sequence ids 1..14; 0 is the session)."""
+BALLAST = 15
+"""Sequence that keeps cells below the session's newest cells occupied (see ``_retire``)."""
+CANDIDATE_ROOM = 256
+"""KV cells kept free for the candidates of a verification pass (not part of the context window)."""
+COMPACT_AFTER = 192
+"""Retired cells tolerated before a session refills its context (when they also exceed its length)."""
+MAX_OUTPUTS = 128
+"""Logit rows one decode call may return (bounds the per-context output buffer)."""
+_BACKEND_LOCK = threading.Lock()
+_BACKEND_READY = False
+
+
+class LlamaCppError(SpecEMError, RuntimeError):
+    """llama.cpp refused a call (no KV slot left, no free context, a failed decode)."""
+
+
+def load_library() -> Any:
+    """The llama_cpp ctypes module, initialised once (quiet unless its logger says otherwise)."""
+    global _BACKEND_READY
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ModelNotFoundError(
+            "the llama.cpp backend needs llama-cpp-python: bash scripts/build_llama_cpp.sh "
+            "(or pip install 'specem[llamacpp]')"
+        ) from exc
+    with _BACKEND_LOCK:
+        if not _BACKEND_READY:
+            log = logging.getLogger("llama-cpp-python")
+            if log.level == logging.NOTSET:  # llama.cpp prints every load step otherwise
+                log.setLevel(logging.CRITICAL)
+            llama_cpp.llama_backend_init()
+            _BACKEND_READY = True
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """Threads per decode: the CPUs this process may use, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n = os.cpu_count() or 2
+    return max(1, min(n, 8))
+
+
+@dataclass
+class Work:
+    """Tokens to decode in one context, and what to read back.
+
+    ``outputs`` has one entry per token: ``None`` (no logits), ``-1`` (copy the full row) or a
+    token id (return its raw logit and log-prob; the full row too when the index is in
+    ``full_rows``)."""
+
+    tokens: list[int]
+    positions: list[int]
+    seqs: list[int]
+    outputs: list[int | None]
+    full_rows: set[int] = field(default_factory=set)
+    stats: dict[int, tuple[float, float]] = field(default_factory=dict)
+    rows: dict[int, Any] = field(default_factory=dict)
+
+
+class Context:
+    """One ``llama_context``: a KV cache with sequence 0 for a session and scratch sequences."""
+
+    def __init__(self, model: LlamaCppModel) -> None:
+        lib = model.lib
+        self._lib = lib
+        self._model = model
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = model.n_ctx
+        cparams.n_batch = model.n_batch
+        cparams.n_ubatch = model.n_batch
+        cparams.n_seq_max = 2 + SCRATCH_SEQUENCES
+        cparams.n_outputs_max = MAX_OUTPUTS
+        cparams.n_threads = model.n_threads
+        cparams.n_threads_batch = model.n_threads
+        cparams.kv_unified = True  # sequences share cells: a candidate forks the prefix for free
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model.handle, cparams)
+        if not ctx:
+            raise LlamaCppError(f"{model.name}: llama.cpp could not create a context (n_ctx={model.n_ctx})")
+        self._ctx = ctx
+        self._mem = lib.llama_get_memory(ctx)
+        self._batch = lib.llama_batch_init(model.n_batch, 0, 1)
+        self.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
+        self.decode_calls = 0
+        self.ballast = 0
+        """Cells (an upper bound) retired to the ballast sequence since the context was last cleared."""
+        self.held: list[int] = []
+        """Token ids of sequence 0's rows while the context waits in the prefix cache."""
+
+    def reset(self) -> None:
+        """Forget every KV row (the context goes back to the pool)."""
+        self._lib.llama_memory_clear(self._mem, True)
+        self.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
+        self.ballast = 0
+        self.held = []
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep positions ``[0, length)`` of ``seq``."""
+        if not self.try_truncate(seq, length):
+            raise LlamaCppError(f"{self._model.name}: could not remove positions >= {length} of sequence {seq}")
+
+    def try_truncate(self, seq: int, length: int) -> bool:
+        """Keep positions ``[0, length)`` of ``seq``; False where llama.cpp cannot cut the sequence
+        there (recurrent or hybrid memory): nothing was removed."""
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, length, -1))
+
+    def share(self, src: int, dst: int, start: int, end: int) -> None:
+        """Let ``dst`` see positions ``[start, end)`` of ``src`` (cells are shared, not copied)."""
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, start, end)
+
+    def take_scratch(self) -> int:
+        if not self.free_scratch:
+            raise LlamaCppError(f"{self._model.name}: more than {SCRATCH_SEQUENCES} candidates in one pass")
+        return self.free_scratch.pop()
+
+    def drop_scratch(self, seq: int) -> None:
+        self.truncate(seq, 0)
+        self.free_scratch.append(seq)
+
+    def decode(self, work: Work) -> Work:
+        """Run ``work`` (split into calls of at most ``n_batch`` tokens and ``MAX_OUTPUTS`` rows)."""
+        import numpy as np
+
+        lib, model = self._lib, self._model
+        n_vocab = model.n_vocab
+        i = 0
+        n = len(work.tokens)
+        while i < n:
+            batch = self._batch
+            count = outputs = 0
+            while i + count < n and count < model.n_batch:
+                wants = work.outputs[i + count] is not None
+                if wants and outputs == MAX_OUTPUTS:
+                    break
+                b = count
+                batch.token[b] = work.tokens[i + b]
+                batch.pos[b] = work.positions[i + b]
+                batch.n_seq_id[b] = 1
+                batch.seq_id[b][0] = work.seqs[i + b]
+                batch.logits[b] = 1 if wants else 0
+                outputs += wants
+                count += 1
+            batch.n_tokens = count
+            status = int(lib.llama_decode(self._ctx, batch))
+            self.decode_calls += 1
+            model.decode_calls += 1
+            if status != 0:
+                why = (
+                    "no KV slot left (load the model with a larger n_ctx)"
+                    if status == 1
+                    else f"llama_decode returned {status}"
+                )
+                raise LlamaCppError(f"{model.name}: {why}")
+            for b in range(count):
+                want = work.outputs[i + b]
+                if want is None:
+                    continue
+                row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, b), shape=(n_vocab,))
+                if want < 0 or (i + b) in work.full_rows:
+                    work.rows[i + b] = row.astype(np.float32, copy=True)
+                if want >= 0:
+                    top = float(row.max())
+                    raw = float(row[want])
+                    work.stats[i + b] = (raw, raw - top - math.log(float(np.exp(row - top).sum())))
+            i += count
+        return work
+
+    def close(self) -> None:
+        self._lib.llama_batch_free(self._batch)
+        self._lib.llama_free(self._ctx)
+
+
+def logsumexp(np: Any, row: Any) -> float:
+    """log(sum(exp(row))), computed stably."""
+    top = float(row.max())
+    return top + math.log(float(np.exp(row - top).sum()))
+
+
+def incomplete_utf8(data: bytes) -> bool:
+    """True when ``data`` ends inside a multi-byte UTF-8 character."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data, final=False)
+    return bool(decoder.getstate()[0])

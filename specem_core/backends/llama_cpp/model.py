@@ -1,0 +1,349 @@
+"""GGUF weights loaded once, with a pool of llama.cpp contexts that keeps finished requests' KV rows.
+
+A session takes a context for its request and gives it back at the end. With the prefix cache on
+(the default), the context comes back *with* its rows and their token ids, and the next request
+takes the context whose rows share the longest prefix with its prompt: it drops the rows past the
+common prefix and prefills only the rest, as llama-cpp-python's ``Llama`` and the llama.cpp
+server's slots do. The number of cached tokens is bounded per model (``prefix_cache_tokens``);
+contexts past it are freed, least recently used first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specem_core.backends._local import (
+    DEFAULT_PREFIX_CACHE_TOKENS,
+    MIN_SHARED_FRACTION,
+    PrefixStore,
+    check_prefix_cache_tokens,
+)
+from specem_core.backends.llama_cpp._binding import (
+    CANDIDATE_ROOM,
+    COMPACT_AFTER,
+    DEFAULT_N_CTX,
+    Context,
+    LlamaCppError,
+    default_threads,
+    load_library,
+)
+from specem_core.errors import ModelNotFoundError
+
+
+class LlamaCppModel:
+    """GGUF weights loaded once (memory-mapped), with a pool of contexts for concurrent sessions.
+
+    Args:
+        path: the ``.gguf`` file.
+        n_ctx: KV cells of each context, i.e. the tokens one request may use (prompt + answer +
+            one round of candidates); default 4096, at most the model's training context.
+        n_threads: CPU threads per decode (default: the CPUs available, at most 8).
+        n_batch: most tokens per ``llama_decode`` call (longer inputs are split).
+        max_contexts: concurrent sessions (each holds one context; more wait for a free one).
+        n_gpu_layers: layers offloaded to a GPU when llama-cpp-python was built with one.
+        prefix_cache: keep a finished request's KV rows with its context, so that a request
+            sharing a prefix with it (the next turn of a chat, the same system prompt or RAG
+            context) prefills only what is new (see :meth:`acquire_for_prompt`).
+        prefix_cache_tokens: most tokens the idle contexts keep cached in all; past it the least
+            recently used context is freed (default
+            :data:`~specem_core.backends._local.DEFAULT_PREFIX_CACHE_TOKENS`).
+
+    Raises:
+        ModelNotFoundError: the file is missing, not a GGUF, truncated, or llama.cpp cannot load it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        max_contexts: int = 8,
+        n_gpu_layers: int = 0,
+        wait_seconds: float = 600.0,
+        prefix_cache: bool = True,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    ) -> None:
+        from specem_core.gguf import validate_gguf
+
+        self.path = Path(path).expanduser()
+        self.info = validate_gguf(self.path)  # a clear error before llama.cpp sees a bad file
+        lib = load_library()
+        self.lib = lib
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
+        if not model:
+            raise ModelNotFoundError(f"llama.cpp could not load {str(self.path)!r} (unsupported or damaged GGUF)")
+        self.handle = model
+        self._vocab = lib.llama_model_get_vocab(model)
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(model))
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx = min(n_ctx or DEFAULT_N_CTX, self.n_ctx_train) if self.n_ctx_train else (n_ctx or DEFAULT_N_CTX)
+        self.n_threads = n_threads or default_threads()
+        self.n_batch = n_batch
+        self.max_contexts = max(1, max_contexts)
+        self.wait_seconds = wait_seconds
+        self._pool: list[Context] = []
+        """Idle contexts holding no rows."""
+        self.prefix_cache = prefix_cache
+        self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
+        self.prefixes: PrefixStore[Context] = PrefixStore(self.prefix_cache_tokens, self._free_context)
+        """Idle contexts holding a finished request's rows, by the token ids they hold."""
+        self._created = 0
+        self._in_use = 0
+        self.peak_contexts_in_use = 0
+        """Most contexts held at once since loading (concurrent sessions)."""
+        self._pool_cond = threading.Condition()
+        self._closed = False
+        self.decode_calls = 0
+        """How many ``llama_decode`` calls ran, all contexts together (for tests and benchmarks)."""
+        self.chat_template: str | None = self._meta("tokenizer.chat_template")
+        self.name = (self._meta("general.name") or self.path.stem).strip()
+        self.architecture = self._meta("general.architecture") or ""
+        self.bos_id = int(lib.llama_vocab_bos(self._vocab))
+        self.eos_id = int(lib.llama_vocab_eos(self._vocab))
+        self.eot_id = int(lib.llama_vocab_eot(self._vocab))
+        self._pieces: list[bytes] | None = None
+        self._texts: list[str] | None = None
+        self._attrs: list[int] | None = None
+        self._eog: frozenset[int] | None = None
+        # one context up front: it fails here, not in the first request, when memory is short
+        self.release_context(self.acquire_context())
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel(path={str(self.path)!r}, n_ctx={self.n_ctx}, threads={self.n_threads})"
+
+    @property
+    def contexts_in_use(self) -> int:
+        """Contexts held by open sessions right now."""
+        return self._in_use
+
+    # -- context pool -----------------------------------------------------------------------
+    def acquire_context(self) -> Context:
+        """An empty context for one session: a pooled one, a new one, or the next one released."""
+        context, _ = self.acquire_for_prompt(())
+        return context
+
+    def acquire_for_prompt(self, prompt: Sequence[int]) -> tuple[Context, int]:
+        """A context for a session whose prompt is ``prompt``, and how many of its leading tokens
+        the context already holds (sequence 0, positions ``[0, reused)``; rows past them dropped).
+
+        With the prefix cache on: the idle context sharing the longest prefix with ``prompt`` when
+        it covers at least :data:`~specem_core.backends._local.MIN_SHARED_FRACTION` of it, else an
+        empty one (pooled or new), else the best partial match or the least recently used cached
+        context, cleared; when every context is busy, the next one released.
+        """
+        deadline = time.monotonic() + self.wait_seconds
+        with self._pool_cond:
+            while True:
+                if self._closed:
+                    raise LlamaCppError(f"{self.name}: the model was closed")
+                if prompt and self.prefix_cache:
+                    wanted = max(1, math.ceil(MIN_SHARED_FRACTION * len(prompt)))
+                    match = self.prefixes.find(prompt, min_reused=wanted, take=True)
+                    if match is not None:
+                        self._take()
+                        return self._reuse(match.entry.value, match.reused, len(prompt))
+                if self._pool:
+                    self._take()
+                    return self._pool.pop(), 0
+                if self._created < self.max_contexts:
+                    self._created += 1
+                    self._take()
+                    break
+                match = self.prefixes.find(prompt, take=True) if prompt else None
+                if match is not None:  # a shorter match still beats clearing a context
+                    self._take()
+                    return self._reuse(match.entry.value, match.reused, len(prompt))
+                oldest = self.prefixes.pop_least_recent()
+                if oldest is not None:
+                    self._take()
+                    oldest.value.reset()
+                    return oldest.value, 0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LlamaCppError(
+                        f"{self.name}: all {self.max_contexts} llama.cpp contexts stayed busy "
+                        f"for {self.wait_seconds:.0f}s (raise max_contexts)"
+                    )
+                self._pool_cond.wait(left)
+        try:
+            return Context(self), 0
+        except BaseException:
+            with self._pool_cond:
+                self._created -= 1
+                self._in_use -= 1
+                self._pool_cond.notify()
+            raise
+
+    def _reuse(self, context: Context, reused: int, prompt_len: int) -> tuple[Context, int]:
+        """Cut sequence 0 of a cached context to its first ``reused`` positions.
+
+        The rows dropped are the newest of sequence 0, so the cells they free lie above every
+        cell it keeps (the session's cell-order rule holds); the ballast stays occupied. A context
+        whose memory cannot be cut (recurrent models), or whose ballast leaves too little room, is
+        cleared instead, as is one whose ballast the session would refill at its first commit.
+        """
+        ballast = context.ballast
+        if (
+            reused <= 0
+            or ballast > max(COMPACT_AFTER, prompt_len)
+            or ballast + prompt_len + CANDIDATE_ROOM > self.n_ctx
+            or not context.try_truncate(0, reused)
+        ):
+            context.reset()
+            return context, 0
+        context.held = context.held[:reused]
+        return context, reused
+
+    def _take(self) -> None:
+        self._in_use += 1
+        self.peak_contexts_in_use = max(self.peak_contexts_in_use, self._in_use)
+
+    def release_context(self, context: Context, keep: Sequence[int] = ()) -> None:
+        """Return ``context`` to the pool: cleared, or, with the prefix cache on and ``keep`` (the
+        token ids of sequence 0's rows, which must be all it holds besides ballast), with its rows
+        kept for a later request (the least recently used cached contexts are freed past the budget)."""
+        cached = bool(keep) and self.prefix_cache and not self._closed
+        if not cached:
+            context.reset()
+        else:
+            context.held = list(keep)
+        with self._pool_cond:
+            self._in_use -= 1
+            if self._closed:
+                context.close()
+            elif not cached:
+                self._pool.append(context)
+        if cached:
+            self.prefixes.add(context.held, context)  # may free older contexts (_free_context)
+        with self._pool_cond:
+            self._pool_cond.notify()
+
+    def _free_context(self, context: Context) -> None:
+        """Evicted from the prefix cache: free its memory (a new context is made when needed)."""
+        context.close()
+        with self._pool_cond:
+            self._created -= 1
+            self._pool_cond.notify()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (their contexts are freed)."""
+        self.prefixes.clear()
+
+    # -- metadata and vocabulary ------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        size = 1 << 16
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = int(self.lib.llama_model_meta_val_str(self.handle, key.encode(), buf, size))
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+        return None
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of ``text`` (``parse_special``: control-token text such as ``<|im_start|>`` is one token)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        for _ in range(2):
+            out = (ctypes.c_int32 * cap)()
+            n = int(self.lib.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special))
+            if n >= 0:
+                return list(out[:n])
+            cap = -n
+        raise LlamaCppError(f"{self.name}: tokenization failed")
+
+    def piece(self, token: int) -> bytes:
+        """The bytes one token stands for (control tokens render as nothing)."""
+        return self._all_pieces()[token] if 0 <= token < self.n_vocab else b""
+
+    def _all_pieces(self) -> list[bytes]:
+        if self._pieces is None:
+            buf = ctypes.create_string_buffer(256)
+            pieces = []
+            for t in range(self.n_vocab):
+                n = int(self.lib.llama_token_to_piece(self._vocab, t, buf, 256, 0, False))
+                pieces.append(buf.raw[:n] if n > 0 else b"")
+            self._pieces = pieces
+        return self._pieces
+
+    def piece_texts(self) -> list[str]:
+        """Each token's bytes as text ('' where they are not whole UTF-8 characters); computed once
+        per model, shared by its members (token healing)."""
+        if self._texts is None:
+            texts = []
+            for piece in self._all_pieces():
+                try:
+                    texts.append(piece.decode("utf-8"))
+                except UnicodeDecodeError:
+                    texts.append("")
+            self._texts = texts
+        return self._texts
+
+    def token_attrs(self) -> list[int]:
+        """``llama_token_attr`` flags of every token."""
+        if self._attrs is None:
+            self._attrs = [int(self.lib.llama_vocab_get_attr(self._vocab, t)) for t in range(self.n_vocab)]
+        return self._attrs
+
+    def end_of_generation_ids(self) -> frozenset[int]:
+        """Tokens that end a generation (EOS, EOT, ``<|im_end|>``…)."""
+        if self._eog is None:
+            self._eog = frozenset(t for t in range(self.n_vocab) if self.lib.llama_vocab_is_eog(self._vocab, t))
+        return self._eog
+
+    def token_text(self, token: int) -> str:
+        """The text of one token as rendered in a chat template (special tokens included)."""
+        buf = ctypes.create_string_buffer(256)
+        n = int(self.lib.llama_token_to_piece(self._vocab, token, buf, 256, 0, True))
+        return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Free the pooled contexts and the weights (contexts still in use are freed on release)."""
+        with self._pool_cond:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, []
+            self._pool_cond.notify_all()
+        for context in pool:
+            context.close()
+        self.prefixes.clear()
+        if self._in_use == 0:
+            self.lib.llama_model_free(self.handle)
+
+    def __del__(self) -> None:  # pragma: no cover - depends on garbage collection
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def requantize(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1"
+) -> Path:
+    """Write ``source`` requantized to ``ftype`` (llama.cpp's own quantizer) at ``target``.
+
+    Q4_1 is the type whose CPU kernels are batch-invariant (below 64 cached positions), so a member
+    requantized to it makes decisions that do not depend on how its tokens were batched.
+
+    Raises:
+        ModelNotFoundError: ``source`` cannot be read or requantized.
+    """
+    lib = load_library()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, ftype)
+    params.allow_requantize = True
+    if lib.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise ModelNotFoundError(f"cannot requantize {source} to {ftype}")
+    return Path(target)
