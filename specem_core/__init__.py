@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
 from specem_core.config import SpecEMConfig
-from specem_core.engine import CandidateFilter, SpecEM
+from specem_core.engine import CandidateFilter, SpecEM, default_engine
 from specem_core.errors import (
     AllMembersFailedError,
     ConfigError,
@@ -98,7 +98,7 @@ def __getattr__(name: str) -> Any:
         from specem_core import registry
 
         return registry.load_member
-    if name in ("default_engine", "get_preset", "preset_names"):
+    if name in ("get_preset", "preset_names"):
         from specem_core import presets
 
         return getattr(presets, name)

@@ -11,27 +11,16 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
+from specem_core.candidates import constrain, to_line_end
 from specem_core.config import SpecEMConfig
-from specem_core.errors import (
-    AllMembersFailedError,
-    ConfigError,
-    InputError,
-    MemberError,
-    SpecEMError,
-)
-from specem_core.scoring import (
-    ModelExit,
-    argmax_first,
-    combine,
-    hedge_learning_rate,
-    hedge_rewards,
-    hedge_update,
-    normalize_row,
-)
+from specem_core.errors import AllMembersFailedError, ConfigError, InputError, MemberError
+from specem_core.pool import MemberPool
+from specem_core.presets import DEFAULT_PRESET, Preset, assemble
+from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
+from specem_core.stops import find_stop, stop_holdback
 from specem_core.tools import OutputPlan
 from specem_core.types import (
     Candidate,
@@ -47,6 +36,7 @@ from specem_core.types import (
     check_unicode,
     validate_messages,
 )
+from specem_core.vote import distinct, row_values, score_rows, tally
 from specem_core.weights import MemberWeights
 
 T = TypeVar("T")
@@ -120,7 +110,7 @@ class SpecEM:
         self._weights = weights
 
     @classmethod
-    def from_preset(cls, name: str | None = None, **overrides: Any) -> SpecEM:
+    def from_preset(cls, name: str | Preset | None = None, **overrides: Any) -> SpecEM:
         """The engine of a named preset (:mod:`specem_core.presets`; ``None``: the default, the
         one ``specem presets`` marks), with explicit arguments overriding the preset's.
 
@@ -128,8 +118,11 @@ class SpecEM:
             name: ``"quality"``, ``"fast"``, ``"paper"``, … (``specem presets`` lists them).
             **overrides: :class:`SpecEMConfig` fields over the preset's; ``members`` (specs or
                 members: replaces the preset's, and drops its prior unless ``weights`` is given);
-                ``weights`` (a ``MemberWeights``, a state-file path, or ``False`` for none);
-                ``backend``, ``device`` and ``member_kwargs`` for loading members by name.
+                ``verifiers`` (verify-only members); ``weights`` (a ``MemberWeights``, a
+                state-file path, or ``False`` for none) and ``min_share``; ``config`` (a whole
+                :class:`SpecEMConfig` instead of the preset's settings); ``backend``, ``device``,
+                ``member_kwargs`` and ``api_key`` for loading members by name. The assembly is
+                :func:`specem_core.presets.assemble`, which every surface goes through.
 
         Example:
             >>> engine = SpecEM.from_preset("quality", max_new_tokens=128)  # doctest: +SKIP
@@ -138,11 +131,8 @@ class SpecEM:
         Raises:
             ConfigError: an unknown preset (the message lists them) or an unknown/invalid field.
         """
-        # the presets sit above the engine (they load members through the registry): imported
-        # here, where it is used, so the engine module itself stays below them
-        from specem_core.presets import build_engine
-
-        return build_engine(name, **overrides)
+        parts = assemble(name, **overrides)
+        return cls(parts.members, parts.config, weights=parts.weights)
 
     @property
     def weights(self) -> MemberWeights | None:
@@ -364,47 +354,10 @@ class SpecEM:
             run.cancelled.set()
 
 
-class _Pool:
-    """Runs one call per member, concurrently across concurrency keys when allowed."""
-
-    def __init__(self, members: Sequence[Member], parallel: bool | None) -> None:
-        self._keys = [m.concurrency_key for m in members]
-        keys = set(self._keys)
-        self.parallel = (len(keys) > 1) if parallel is None else parallel
-        self._executor = ThreadPoolExecutor(max_workers=len(members)) if self.parallel else None
-
-    def map(self, fn: Callable[[int], T], indices: Sequence[int], members: Sequence[Member]) -> list[T | BaseException]:
-        """``fn(i)`` for each index; exceptions are returned, not raised."""
-
-        def safe(i: int) -> T | BaseException:
-            try:
-                return fn(i)
-            except Exception as exc:
-                return exc
-
-        if self._executor is None or len(indices) < 2:
-            return [safe(i) for i in indices]
-        groups: dict[str, list[int]] = {}
-        for i in indices:
-            groups.setdefault(members[i].concurrency_key, []).append(i)
-
-        def run_group(group: list[int]) -> list[T | BaseException]:
-            return [safe(i) for i in group]  # one device / server: its members run one after another
-
-        futures = {key: self._executor.submit(run_group, group) for key, group in groups.items()}
-        by_index: dict[int, T | BaseException] = {}
-        for key, fut in futures.items():
-            for i, res in zip(groups[key], fut.result(), strict=True):
-                by_index[i] = res
-        return [by_index[i] for i in indices]
-
-    def concurrent(self, indices: Sequence[int]) -> bool:
-        """Whether these members' calls would run at the same time (different devices or servers)."""
-        return self._executor is not None and len({self._keys[i] for i in indices}) > 1
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+def default_engine(*, backend: str | None = None, **config: Any) -> SpecEM:
+    """The default preset's engine on ``backend`` (default: auto); the other keyword arguments are
+    config fields over the preset's."""
+    return SpecEM.from_preset(DEFAULT_PRESET, backend=backend, **config)
 
 
 class _Run:
@@ -438,7 +391,7 @@ class _Run:
         """The trusted member that drafts the first rounds alone (``trusted_opening_rounds``)."""
         self.text = ""
         self.segments: list[Segment] = []
-        self.pool = _Pool(self.members, config.parallel)
+        self.pool = MemberPool(self.members, config.parallel)
         self.sampling = SamplingParams(
             temperature=config.temperature,
             top_p=config.top_p,
@@ -545,7 +498,7 @@ class _Run:
                 segment, weights, ended = step
                 old_len = len(self.text)
                 self.text += segment.text
-                stop_at = _find_stop(self.text, cfg.stop, old_len)
+                stop_at = find_stop(self.text, cfg.stop, old_len)
                 if stop_at is not None:
                     self.text = self.text[:stop_at]
                     segment.text = self.text[old_len:]
@@ -561,7 +514,7 @@ class _Run:
                 if ended:
                     finish = "stop"
                     break
-                safe = len(self.text) - _stop_holdback(self.text, cfg.stop)
+                safe = len(self.text) - stop_holdback(self.text, cfg.stop)
                 if safe > emitted or segment.text:
                     yield StreamEvent(delta=self.text[emitted:safe], segment=segment)
                     emitted = max(emitted, safe)
@@ -621,7 +574,7 @@ class _Run:
         for i in verifiers:
             if i not in scored or len(scored[i]) != len(cands):
                 continue
-            values, is_distribution = _row_values(scored[i], self.config.scoring)
+            values, is_distribution = row_values(scored[i], self.config.scoring)
             rows.append(values if is_distribution else normalize_row(values, "softmax"))
         if not rows:
             return choices[0]
@@ -642,9 +595,9 @@ class _Run:
         the higher starting weight. ``None`` without member weights or when a tie remains.
 
         The prior comes first because it is the evidence of correctness (e.g. accuracy on a
-        labelled set), while what the weights learned comes from votes, i.e. likelihood: learned
-        weights that broke a tie in the prior gave the trust to the 0.5B on IFEval, exit then
-        stopped the 1.5B in half of the answers, and that half lost (README "Quality" v6)."""
+        labelled set), while what the weights learned comes from votes, i.e. likelihood, which
+        favours a weaker member's more predictable text (docs/reports/quality.md, "Lessons
+        learned")."""
         learned = self.learned
         if learned is None:
             return None
@@ -700,70 +653,29 @@ class _Run:
             Candidate(self.members[i].name, drafts[i].text, drafts[i].ended, drafts[i].tokens) for i in owners
         ]
         if cfg.segment_boundary == "line":  # a drafter that ran past its first line end is cut there
-            candidates = [_to_line_end(c) for c in candidates]
+            candidates = [to_line_end(c) for c in candidates]
         if self.constraint is not None:
-            owners, candidates = _constrain(self.constraint, self.text, owners, candidates, self._vote_choice)
+            owners, candidates = constrain(self.constraint, self.text, owners, candidates, self._vote_choice)
 
         verifiers = [i for i in self._active() if self.members[i].can_verify]
         raw: list[list[float]] = []
         normalized: list[list[float]] = []
         if len(candidates) > 1 and verifiers:
-            unique: dict[tuple[str, bool], int] = {}
-            for c in candidates:
-                unique.setdefault((c.text, c.ended), len(unique))
-            unique_cands = [Candidate("", t, e) for (t, e) in unique]
-            copies = [sum(1 for c in candidates if (c.text, c.ended) == key) for key in unique]
+            scored_cands, copies, index = distinct(candidates)
 
             def score_one(i: int) -> list[CandidateScore]:
-                row = self.sessions[i].score(unique_cands, score_eos=cfg.eos_voting)
-                if len(row) != len(unique_cands):
-                    raise MemberError(self.members[i].name, "scoring", f"{len(row)} scores for {len(unique_cands)}")
-                _row_values(row, cfg.scoring)  # unusable rows fail here, so the member is retried/excluded
+                row = self.sessions[i].score(scored_cands, score_eos=cfg.eos_voting)
+                if len(row) != len(scored_cands):
+                    raise MemberError(self.members[i].name, "scoring", f"{len(row)} scores for {len(scored_cands)}")
+                row_values(row, cfg.scoring)  # unusable rows fail here, so the member is retried/excluded
                 return row
 
             scored = self._call("score", verifiers, score_one, k)
             verifiers = [i for i in verifiers if i in scored]
-            for i in verifiers:
-                values_unique, is_distribution = _row_values(scored[i], cfg.scoring)
-                if is_distribution:  # a judge's probability mass is shared by identical candidates
-                    values_unique = [v / n for v, n in zip(values_unique, copies, strict=True)]
-                values = [values_unique[unique[(c.text, c.ended)]] for c in candidates]
-                raw.append(values)
-                normalized.append(
-                    values
-                    if is_distribution
-                    else normalize_row(
-                        values,
-                        cfg.normalization,
-                        nonpositive_rule=cfg.nonpositive_rule,
-                        temperature=cfg.softmax_temperature,
-                    )
-                )
-        rewards_list: list[float] = []
-        eta = 0.0
+            raw, normalized = score_rows([scored[i] for i in verifiers], copies, index, cfg)
         weights = {i: w for i, w in weights.items() if i in self.sessions}
-        if normalized:
-            if cfg.hedge:
-                rewards = hedge_rewards(normalized, verifiers, owners, verifiers)
-                eta = hedge_learning_rate(cfg.hedge_eta0, len(verifiers), k, cfg.hedge_decay)
-                current = [weights.get(i, 0.0) for i in verifiers]
-                if sum(current) <= 0:
-                    current = [1.0] * len(verifiers)
-                updated = hedge_update(current, [rewards[i] for i in verifiers], eta)
-                weights = dict(zip(verifiers, updated, strict=True))
-                rewards_list = [rewards[i] for i in verifiers]
-            row_weights = [weights.get(i, 1.0 / len(verifiers)) for i in verifiers]
-            if not cfg.hedge and self.learned is None:
-                row_weights = [1.0 / len(verifiers)] * len(verifiers)
-            if cfg.self_vote == "exclude":
-                combined = combine_leave_self_out(normalized, row_weights, verifiers, owners, candidates)
-            else:
-                combined = combine(normalized, row_weights)
-            winner = argmax_first(combined)
-        else:
-            row_weights = [weights.get(i, 0.0) for i in verifiers] if verifiers else []
-            combined = [1.0] + [0.0] * (len(candidates) - 1)
-            winner = 0
+        vote = tally(normalized, verifiers, owners, candidates, weights, cfg, k, learned=self.learned is not None)
+        combined, winner = vote.combined, vote.winner
         if exit_rule is not None and not opening:  # an unvoted opening is no evidence for exit
             per_member = {owners[n]: combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
@@ -779,12 +691,12 @@ class _Run:
             verifiers=[self.members[i].name for i in verifiers] if normalized else [],
             raw_scores=raw,
             normalized=normalized,
-            weights=row_weights if normalized else [],
+            weights=vote.row_weights if normalized else [],
             combined=combined,
-            rewards=rewards_list,
-            learning_rate=eta,
+            rewards=vote.rewards,
+            learning_rate=vote.learning_rate,
         )
-        return segment, weights, candidates[winner].ended
+        return segment, vote.weights, candidates[winner].ended
 
     def _draft(self, drafting: list[int], max_tokens: int, k: int) -> dict[int, Draft]:
         """Every drafter's draft. Drafters that would run one after another anyway (one device)
@@ -829,113 +741,8 @@ class _Run:
         )
 
 
-def combine_leave_self_out(
-    normalized: Sequence[Sequence[float]],
-    weights: Sequence[float],
-    verifiers: Sequence[int],
-    owners: Sequence[int],
-    candidates: Sequence[Candidate],
-) -> list[float]:
-    """S_i = Σ_{j ∉ own(i)} w_j ŝ[j][i] / Σ_{j ∉ own(i)} w_j: no verifier votes on its own
-    candidate (nor on another member's identical one). Rows stay normalized over all candidates,
-    so a verifier's vote on the others is relative to how it rates its own. A candidate that only
-    its own drafters could judge falls back to every verifier's vote."""
-    keys = [(c.text, c.ended) for c in candidates]
-    combined = []
-    for n, key in enumerate(keys):
-        own = {owners[k] for k, other in enumerate(keys) if other == key}
-        judges = [j for j, v in enumerate(verifiers) if v not in own] or list(range(len(verifiers)))
-        total = sum(weights[j] for j in judges)
-        if total <= 0:
-            total, judge_weights = float(len(judges)), [1.0] * len(judges)
-        else:
-            judge_weights = [weights[j] for j in judges]
-        combined.append(sum(w * normalized[j][n] for w, j in zip(judge_weights, judges, strict=True)) / total)
-    return combined
-
-
-def _constrain(
-    constraint: CandidateFilter,
-    committed: str,
-    owners: list[int],
-    candidates: list[Candidate],
-    vote: Callable[[list[str]], str] | None = None,
-) -> tuple[list[int], list[Candidate]]:
-    """Keep the candidates the constraint accepts; when it rejects all of them, cut each back to
-    its longest accepted prefix if the constraint can (``constraint.trim``); when nothing is left,
-    take one of the continuations it lists (``constraint.options``: the only one, or the one the
-    verifiers ``vote`` for), as a candidate of member ``"constraint"``; else keep them all."""
-    keep = [n for n, c in enumerate(candidates) if constraint(committed, c.text)]
-    if keep:
-        return [owners[n] for n in keep], [candidates[n] for n in keep]
-    trim = getattr(constraint, "trim", None)
-    if trim is not None:
-        cut = [(n, trim(committed, c.text)) for n, c in enumerate(candidates)]
-        cut = [(n, t) for n, t in cut if t]
-        if cut:
-            return [owners[n] for n, _ in cut], [
-                Candidate(candidates[n].member, t, False, candidates[n].tokens) for n, t in cut
-            ]
-    options = getattr(constraint, "options", None)
-    choices = [o for o in (options(committed) if options is not None else []) if o]
-    if choices:
-        text = choices[0] if len(choices) == 1 or vote is None else vote(choices)
-        return owners[:1], [Candidate("constraint", text, False, 0)]
-    return owners, candidates
-
-
-def _row_values(row: Sequence[CandidateScore], scoring: str) -> tuple[list[float], bool]:
-    """Pick the configured raw score from each candidate score.
-
-    Judges give a distribution (``probability``). Servers expose log-probs but no raw logits, so a
-    row without ``mean_logit`` falls back to ``mean_logprob`` (then normalized as configured).
-    """
-    if row and all(s.probability is not None for s in row):
-        return [float(s.probability or 0.0) for s in row], True
-    for attr in ("mean_logit", "mean_logprob") if scoring == "mean_logit" else ("mean_logprob",):
-        values = [getattr(s, attr) for s in row]
-        if all(v is not None for v in values):
-            return [float(v) for v in values], False
-    raise SpecEMError(f"a verifier returned no {scoring} score")
-
-
-def _to_line_end(candidate: Candidate) -> Candidate:
-    """``candidate`` up to its first line end: the newline and the whitespace right after it
-    (``segment_boundary="line"``; drafters stop there themselves, HTTP members may not)."""
-    text = candidate.text
-    end = text.find("\n") + 1
-    if end == 0:
-        return candidate
-    while end < len(text) and text[end].isspace():
-        end += 1
-    if end == len(text):
-        return candidate
-    return Candidate(candidate.member, text[:end], False, candidate.tokens)
-
-
 def _draft_cost(member: Member) -> float:
     """Relative cost of one drafted token (``member.draft_cost`` where a backend knows it, e.g.
     the GGUF's size; 0 otherwise, which keeps the member order)."""
     cost = getattr(member, "draft_cost", None)
     return float(cost) if isinstance(cost, int | float) else 0.0
-
-
-def _find_stop(text: str, stops: Sequence[str], old_len: int) -> int | None:
-    """Earliest index of a stop string that overlaps the newly added text."""
-    best: int | None = None
-    for s in stops:
-        idx = text.find(s, max(0, old_len - len(s) + 1))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best
-
-
-def _stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that could still grow into a stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if s.startswith(text[-n:]):
-                hold = n
-                break
-    return hold

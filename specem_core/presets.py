@@ -38,25 +38,18 @@ from specem_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from specem_core.backends.base import Member
-    from specem_core.engine import SpecEM
     from specem_core.weights import MemberWeights
 
 _RECOMMENDED: dict[str, Any] = {
-    # the study's v7 settings (docs/reports/quality.md): scale-free rows, Model Exit that keeps the
-    # member the prior trusts and stops a drafter that keeps agreeing with it, the trusted member's opening
-    "normalization": "softmax",
+    # the quality study's recommended settings; why each one, and what it measured:
+    # docs/reports/quality.md ("The shipped presets", "Lessons learned")
+    "normalization": "softmax",  # scale-free rows: the weights decide the vote
     "model_exit": True,
     "exit_temperature": 0.2,
-    "exit_keep_trusted": True,
-    "exit_agreement_rounds": 2,
-    # two segments, not one: a GSM8K solution's method is set in its first two segments, and under a
-    # one-segment opening 8 of the 13 answers `quality` lost against the 1.5B alone began where the
-    # 0.5B won round 2 (GSM8K 45.5 -> 48.0 against the 1.5B's 46.5; IFEval 34.2 either way)
-    "trusted_opening_rounds": 2,
-    # drafts decoded a token per call, as the member alone decodes them: where the trusted member
-    # wins every round the answer is its own text (speculative drafting on the packaged Qwen kernels
-    # tipped near ties: 29 of 164 such HumanEval answers differed); same time per answer
-    "draft_hints": False,
+    "exit_keep_trusted": True,  # exit never stops the member the prior trusts
+    "exit_agreement_rounds": 2,  # and stops a drafter that keeps agreeing with it
+    "trusted_opening_rounds": 2,  # the trusted member writes the opening (where a method is set)
+    "draft_hints": False,  # drafts decoded as each member alone decodes them
 }
 
 
@@ -156,7 +149,7 @@ PRESETS: dict[str, Preset] = {
 
 DEFAULT_PRESET = "quality"
 """What ``specem chat``, ``specem serve``, ``ChatSpecEM()``, ``SpecEMLLM()`` and
-:func:`default_engine` run with no members given: the preset measured at or above its best member
+:func:`~specem_core.engine.default_engine` run with no members given: the preset measured at or above its best member
 on IFEval dev (120 prompts) and GSM8K dev (200 problems), on one llama.cpp build beside that member
 alone. Its figures are package data (:meth:`Preset.results`, ``specem presets``), not repeated here."""
 
@@ -211,9 +204,13 @@ def preset_members(
 ) -> list[Member]:
     """The preset's members, loaded (``backend``, ``device`` and other keyword arguments go to
     :func:`specem_core.registry.load_member`)."""
-    from specem_core.registry import load_member
+    return load_members(get_preset(name).members, backend=backend, device=device, member_kwargs=member_kwargs)
 
-    return [load_member(spec, backend=backend, device=device, **member_kwargs) for spec in get_preset(name).members]
+
+def default_members(**kwargs: Any) -> list[Member]:
+    """The default preset's members (keyword arguments, ``backend=`` included, go to
+    :func:`specem_core.registry.load_member`)."""
+    return preset_members(DEFAULT_PRESET, **kwargs)
 
 
 def resolve(name: str | Preset | None, *, members_given: bool) -> Preset | None:
@@ -229,70 +226,6 @@ def resolve(name: str | Preset | None, *, members_given: bool) -> Preset | None:
     return get_preset(name)
 
 
-def build_engine(
-    name: str | Preset | None = None,
-    *,
-    members: Sequence[Member | str | os.PathLike[str]] | None = None,
-    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
-    backend: str | None = None,
-    device: str | None = None,
-    member_kwargs: Mapping[str, Any] | None = None,
-    api_key: Any = None,
-    **config: Any,
-) -> SpecEM:
-    """A :class:`~specem_core.engine.SpecEM` from a preset, with explicit arguments overriding it.
-
-    Args:
-        name: the preset; ``None``: the default preset, or none at all when ``members`` is given
-            (:func:`resolve`).
-        members: replace the preset's members (specs or :class:`Member` objects); the preset's
-            prior is then dropped unless ``weights`` is given.
-        weights: member weights instead of the preset's prior: a ``MemberWeights``, the path of a
-            state file (created with the preset's prior when it does not exist yet), ``False`` for
-            none; ``None``/``True``: the preset's prior.
-        backend, device, member_kwargs: how members given by name are loaded
-            (:func:`specem_core.registry.load_member`).
-        api_key: the API key (a ``str`` or pydantic ``SecretStr``) of the members that are
-            servers (``openai:`` / ``judge:`` specs); local members have none.
-        **config: :class:`SpecEMConfig` fields, over the preset's (``None`` values are ignored).
-
-    Raises:
-        ConfigError: an unknown preset or config field, or an invalid value (before any model loads).
-    """
-    from specem_core.engine import SpecEM
-    from specem_core.registry import HTTP_PREFIXES, load_member
-    from specem_core.weights import MemberWeights
-
-    if members is not None and not members:
-        raise ConfigError("members is empty: give at least one member, or None for the preset's")
-    preset = resolve(name, members_given=members is not None)
-    spec = config_of(preset, **config)  # validates before anything loads
-    prior = preset.weights() if preset is not None and members is None else None
-    chosen: Any
-    if weights is None or weights is True:
-        chosen = prior
-    elif weights is False:
-        chosen = None
-    elif isinstance(weights, MemberWeights):
-        chosen = weights
-    elif os.path.exists(weights):
-        chosen = MemberWeights.open(weights)
-    else:  # a new state file starts from the preset's prior
-        chosen = MemberWeights.open(weights, prior.prior if prior is not None else None, **_options(prior))
-    options: dict[str, Any] = {"backend": backend, "device": device, **dict(member_kwargs or {})}
-    specs: Sequence[Any] = preset.members if members is None and preset is not None else members or ()
-
-    def load(member: Any) -> Any:
-        if not isinstance(member, str | os.PathLike):
-            return member  # a ready member
-        name = os.fspath(member)
-        if api_key is not None and name.strip().startswith(HTTP_PREFIXES):
-            return load_member(name, **options, api_key=api_key)
-        return load_member(name, **options)
-
-    return SpecEM([load(m) for m in specs], spec, weights=chosen)
-
-
 def config_of(preset: Preset | None, **config: Any) -> SpecEMConfig:
     """The preset's :class:`SpecEMConfig` with ``config`` fields over it (``None`` values ignored).
 
@@ -301,6 +234,140 @@ def config_of(preset: Preset | None, **config: Any) -> SpecEMConfig:
     """
     base = preset.spec() if preset is not None else SpecEMConfig()
     return base.replace(**config)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an engine is made of (:func:`assemble`): :class:`~specem_core.engine.SpecEM` takes
+    ``members``, ``config`` and ``weights``."""
+
+    members: list[Member]
+    """Loaded, in tie-break order (the verify-only ones last)."""
+    config: SpecEMConfig
+    weights: MemberWeights | None
+    """The member weights (``None``: the paper's per-request rule)."""
+    preset: Preset | None
+    """The preset they come from (``None``: members of your own under the library defaults)."""
+
+
+def assemble(
+    name: str | Preset | None = None,
+    *,
+    members: Sequence[Member | str | os.PathLike[str]] | None = None,
+    verifiers: Sequence[Member | str | os.PathLike[str]] = (),
+    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
+    min_share: float | None = None,
+    config: SpecEMConfig | None = None,
+    backend: str | None = None,
+    device: str | None = None,
+    member_kwargs: Mapping[str, Any] | None = None,
+    api_key: Any = None,
+    **fields: Any,
+) -> EngineParts:
+    """The parts of an engine from a preset, with explicit arguments overriding it: the one
+    assembly behind :meth:`SpecEM.from_preset <specem_core.engine.SpecEM.from_preset>`, which the
+    CLI, the LangChain and LlamaIndex classes and the server's engine all go through. Everything
+    is validated before any model loads.
+
+    Args:
+        name: the preset; ``None``: the default preset, or none at all when ``members`` is given
+            (:func:`resolve`).
+        members: replace the preset's members (specs or :class:`Member` objects); the preset's
+            prior is then dropped unless ``weights`` is given.
+        verifiers: members that only verify (specs are loaded with ``can_draft=False``), after
+            the others.
+        weights, min_share: the member weights (:func:`member_weights`).
+        config: the whole configuration instead of the preset's settings (``fields`` still apply
+            over it).
+        backend, device, member_kwargs: how members given by name are loaded
+            (:func:`specem_core.registry.load_member`).
+        api_key: the API key (a ``str`` or pydantic ``SecretStr``) of the members that are
+            servers (``openai:`` / ``judge:`` specs); local members have none.
+        **fields: :class:`SpecEMConfig` fields, over the preset's (``None`` values are ignored).
+
+    Raises:
+        ConfigError: an unknown preset or config field, an invalid value, or ``members=[]``.
+    """
+    if members is not None and not members:
+        raise ConfigError("members is empty: give at least one member, or None for the preset's")
+    preset = resolve(name, members_given=members is not None)
+    spec = config.replace(**fields) if config is not None else config_of(preset, **fields)
+    chosen = member_weights(preset, members_given=members is not None, weights=weights, min_share=min_share)
+    specs: Sequence[Any] = preset.members if members is None and preset is not None else members or ()
+    loaded = load_members(
+        specs, verifiers=verifiers, backend=backend, device=device, member_kwargs=member_kwargs, api_key=api_key
+    )
+    return EngineParts(loaded, spec, chosen, preset)
+
+
+def member_weights(
+    preset: Preset | None,
+    *,
+    members_given: bool = False,
+    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
+    min_share: float | None = None,
+) -> MemberWeights | None:
+    """The member weights an engine starts with.
+
+    Args:
+        preset: whose shipped prior applies (only to its own members: not when ``members_given``).
+        weights: ``None`` / ``True``: the preset's prior (a fresh copy); ``False``: none; a
+            ``MemberWeights``; or the path of a state file, loaded when it exists, else created
+            from the preset's prior and its learning options.
+        min_share: the gate (``MemberWeights.min_share``) over the chosen weights' own.
+
+    Raises:
+        ConfigError: ``min_share`` without member weights, an invalid ``min_share``, or a state
+            file that cannot be read or written.
+    """
+    from specem_core.weights import MemberWeights
+
+    prior = preset.weights() if preset is not None and not members_given else None
+    options = {} if min_share is None else {"min_share": min_share}
+    chosen: MemberWeights | None
+    if weights is None or weights is True:
+        chosen = prior
+        if chosen is not None and min_share is not None:
+            chosen.min_share = MemberWeights({}, min_share=min_share).min_share
+    elif weights is False:
+        chosen = None
+    elif isinstance(weights, MemberWeights):
+        chosen = weights
+        if min_share is not None:
+            chosen.min_share = MemberWeights({}, min_share=min_share).min_share
+    elif prior is None or os.path.exists(weights):
+        chosen = MemberWeights.open(weights, None, **options)
+    else:  # a new state file starts from the preset's prior
+        chosen = MemberWeights.open(weights, prior.prior, **{**_options(prior), **options})
+    if chosen is None and min_share is not None:
+        raise ConfigError("min_share needs member weights (a weights file or object, or a preset with a prior)")
+    return chosen
+
+
+def load_members(
+    specs: Sequence[Member | str | os.PathLike[str]],
+    *,
+    verifiers: Sequence[Member | str | os.PathLike[str]] = (),
+    backend: str | None = None,
+    device: str | None = None,
+    member_kwargs: Mapping[str, Any] | None = None,
+    api_key: Any = None,
+) -> list[Member]:
+    """Members from specs (ready :class:`Member` objects pass through), then the verify-only ones
+    (``can_draft=False``); arguments as for :func:`assemble`."""
+    from specem_core.registry import HTTP_PREFIXES, load_member
+
+    options: dict[str, Any] = {"backend": backend, "device": device, **dict(member_kwargs or {})}
+
+    def load(member: Any, **role: Any) -> Any:
+        if not isinstance(member, str | os.PathLike):
+            return member  # a ready member
+        name = os.fspath(member)
+        if api_key is not None and name.strip().startswith(HTTP_PREFIXES):
+            return load_member(name, **options, **role, api_key=api_key)
+        return load_member(name, **options, **role)
+
+    return [load(m) for m in specs] + [load(v, can_draft=False) for v in verifiers]
 
 
 def _options(weights: MemberWeights | None) -> dict[str, float]:
@@ -312,18 +379,6 @@ def _options(weights: MemberWeights | None) -> dict[str, float]:
         "max_log_ratio": weights.max_log_ratio,
         "min_share": weights.min_share,
     }
-
-
-def default_members(**kwargs: Any) -> list[Member]:
-    """The default preset's members (keyword arguments, ``backend=`` included, go to
-    :func:`specem_core.registry.load_member`)."""
-    return preset_members(DEFAULT_PRESET, **kwargs)
-
-
-def default_engine(*, backend: str | None = None, **config: Any) -> SpecEM:
-    """The default preset's engine on ``backend`` (default: auto); the other keyword arguments are
-    config fields over the preset's."""
-    return build_engine(DEFAULT_PRESET, backend=backend, **config)
 
 
 def _data_dir() -> Traversable:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specem_core.config import HedgeDecay, NonPositiveRule, Normalization
+
+if TYPE_CHECKING:
+    from specem_core.types import Candidate
 
 
 def softmax(values: Sequence[float], temperature: float = 1.0) -> list[float]:
@@ -122,6 +126,31 @@ def combine(normalized: Sequence[Sequence[float]], weights: Sequence[float]) -> 
         return []
     n_cand = len(normalized[0])
     return [sum(w * row[i] for w, row in zip(weights, normalized, strict=True)) for i in range(n_cand)]
+
+
+def combine_leave_self_out(
+    normalized: Sequence[Sequence[float]],
+    weights: Sequence[float],
+    verifiers: Sequence[int],
+    owners: Sequence[int],
+    candidates: Sequence[Candidate],
+) -> list[float]:
+    """S_i = Σ_{j ∉ own(i)} w_j ŝ[j][i] / Σ_{j ∉ own(i)} w_j: no verifier votes on its own
+    candidate (nor on another member's identical one). Rows stay normalized over all candidates,
+    so a verifier's vote on the others is relative to how it rates its own. A candidate that only
+    its own drafters could judge falls back to every verifier's vote."""
+    keys = [(c.text, c.ended) for c in candidates]
+    combined = []
+    for n, key in enumerate(keys):
+        own = {owners[k] for k, other in enumerate(keys) if other == key}
+        judges = [j for j, v in enumerate(verifiers) if v not in own] or list(range(len(verifiers)))
+        total = sum(weights[j] for j in judges)
+        if total <= 0:
+            total, judge_weights = float(len(judges)), [1.0] * len(judges)
+        else:
+            judge_weights = [weights[j] for j in judges]
+        combined.append(sum(w * normalized[j][n] for w, j in zip(judge_weights, judges, strict=True)) / total)
+    return combined
 
 
 def argmax_first(values: Sequence[float]) -> int:

@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any, TextIO
 from specem_core import __version__
 from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError, SpecEMError
-from specem_core.presets import PRESETS, Preset, config_of, get_preset, preset_names, resolve
+from specem_core.presets import (
+    PRESETS,
+    Preset,
+    config_of,
+    get_preset,
+    load_members,
+    member_weights,
+    preset_names,
+    resolve,
+)
 from specem_core.types import GenerationResult
 
 if TYPE_CHECKING:
@@ -276,28 +285,28 @@ def _preset(args: argparse.Namespace) -> Preset | None:
     return resolve(args.preset, members_given=bool(args.model))
 
 
-def _weights(args: argparse.Namespace, preset: Preset | None) -> Any:
-    """The member weights: ``--weights`` (a state file, started from the preset's prior when new),
-    else the preset's shipped prior (dropped by ``--model`` or ``--no-weights``); checked before any
-    model loads."""
-    from specem_core.weights import MemberWeights
-
+def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None:
+    """The weight options that contradict each other or need weights, named as flags."""
     if args.weights and args.no_weights:
         raise ConfigError("--weights and --no-weights contradict each other")
-    shipped = preset.weights() if preset is not None and not args.model else None
-    options = {} if args.min_share is None else {"min_share": args.min_share}
-    if args.weights:
-        if shipped is None or os.path.exists(args.weights):
-            return MemberWeights.open(args.weights, **options)
-        options = {"learning_rate": shipped.learning_rate, "min_share": shipped.min_share, **options}
-        return MemberWeights.open(args.weights, shipped.prior, **options)
-    if args.no_weights or shipped is None:
-        if args.min_share is not None:
-            raise ConfigError("--min-share needs member weights (--weights, or a preset with a prior)")
-        return None
-    if args.min_share is not None:
-        shipped.min_share = MemberWeights({}, min_share=args.min_share).min_share
-    return shipped
+    prior = preset is not None and preset.prior is not None and not args.model
+    if args.min_share is not None and not args.weights and (args.no_weights or not prior):
+        raise ConfigError("--min-share needs member weights (--weights, or a preset with a prior)")
+
+
+def _weights(args: argparse.Namespace, preset: Preset | None) -> Any:
+    """The member weights (:func:`specem_core.presets.member_weights`): ``--weights`` (a state
+    file, started from the preset's prior when new), else the preset's shipped prior (dropped by
+    ``--model`` or ``--no-weights``); checked before any model loads."""
+    _check_weight_flags(args, preset)
+    return member_weights(
+        preset, members_given=bool(args.model), weights=_weights_option(args), min_share=args.min_share
+    )
+
+
+def _weights_option(args: argparse.Namespace) -> str | bool | None:
+    """``weights=`` of :func:`specem_core.presets.assemble`: the file, ``False`` for none, ``None`` for the prior."""
+    return False if args.no_weights else (args.weights or None)
 
 
 def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
@@ -379,35 +388,36 @@ def _backend_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_members(args: argparse.Namespace, err: TextIO, preset: Preset | None) -> list[Any]:
-    """The members named by ``--model`` (default: the preset's) and ``--verifier``."""
-    from specem_core.registry import HTTP_PREFIXES, load_member
-
-    specs = args.model or (list(preset.members) if preset is not None else [])
-    if not specs:
-        raise SpecEMError("no members: give at least one --model or a --preset")
+def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
+    """How members named on the command line load: progress on standard error, the servers' key."""
 
     def log(msg: str) -> None:
         print(msg, file=err, flush=True)
 
-    def load(spec: str, **kw: Any) -> Any:
-        if spec.strip().startswith(HTTP_PREFIXES):
-            return load_member(spec, api_key_env=args.member_api_key_env, **kw)
-        return load_member(spec, device=args.device, log=log, backend=args.backend, **kw)
-
-    return [load(s) for s in specs] + [load(s, can_draft=False) for s in args.verifier]
+    return {"log": log, "api_key_env": args.member_api_key_env}
 
 
 def _engine(args: argparse.Namespace, err: TextIO) -> tuple[SpecEM, Preset | None]:
-    """The ensemble a command runs; options are validated before any model loads."""
+    """The ensemble a command runs (:meth:`SpecEM.from_preset`, the one assembly every surface
+    uses); options are validated before any model loads."""
     from specem_core.engine import SpecEM
 
     _check_renamed(args)
     preset = _preset(args)
     config = _config(args, preset)
-    weights = _weights(args, preset)
-    members = _load_members(args, err, preset)
-    return SpecEM(members, config, weights=weights), preset
+    _check_weight_flags(args, preset)
+    engine = SpecEM.from_preset(
+        preset,
+        members=args.model,
+        verifiers=args.verifier,
+        weights=_weights_option(args),
+        min_share=args.min_share,
+        config=config,
+        backend=args.backend,
+        device=args.device,
+        member_kwargs=_member_kwargs(args, err),
+    )
+    return engine, preset
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:
@@ -657,7 +667,12 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     examples = load_examples(args.data, prompt_template=template, answer_field=args.answer_field, limit=args.limit)
     if not examples:
         raise SpecEMError(f"{args.data} holds no examples")
-    members = _load_members(args, err, preset)
+    members = load_members(
+        args.model or (list(preset.members) if preset is not None else []),
+        backend=args.backend,
+        device=args.device,
+        member_kwargs=_member_kwargs(args, err),
+    )
 
     def progress(member: str, done: int, total: int) -> None:
         if done == total or done % 10 == 0:

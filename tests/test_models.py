@@ -184,13 +184,13 @@ def test_the_transformers_backend_loads_the_converted_copy() -> None:
 
 
 def test_one_import_path_per_name() -> None:
-    """Loading members lives in the registry, the default ensemble in the presets; models.py holds
+    """Loading members lives in the registry, the default ensemble beside the engine; models.py holds
     packaged weights only (no forwarding: one import path per name)."""
     import specem_core
-    from specem_core import presets
+    from specem_core import engine
 
     assert specem_core.load_member is registry.load_member
-    assert specem_core.default_engine is presets.default_engine
+    assert specem_core.default_engine is engine.default_engine
     for name in ("load_member", "default_members", "default_engine", "DEFAULT_PAIR"):
         assert not hasattr(models, name)
     assert not hasattr(registry, "default_members")

@@ -14,7 +14,6 @@ from specem_core.presets import (
     DEFAULT_PRESET,
     PRESETS,
     Preset,
-    build_engine,
     config_of,
     get_preset,
     preset_names,
@@ -120,7 +119,7 @@ def test_resolve_is_the_one_rule_of_every_surface() -> None:
 
 def test_explicit_arguments_override_the_presets(tiny_members: list[Any]) -> None:
     pair = tiny_members[:2]
-    engine = build_engine("fast", members=pair, segment_len=3, model_exit=False)
+    engine = SpecEM.from_preset("fast", members=pair, segment_len=3, model_exit=False)
     assert [m.name for m in engine.members] == ["llama", "qwen2"]
     assert (engine.config.segment_len, engine.config.model_exit) == (3, False)
     assert (engine.config.normalization, engine.config.trusted_opening_rounds) == ("softmax", 2)
@@ -130,11 +129,11 @@ def test_explicit_arguments_override_the_presets(tiny_members: list[Any]) -> Non
     assert engine.weights is mine
     assert engine.config.max_new_tokens == 5
     with pytest.raises(ConfigError, match=r"unknown SpecEM option\(s\): segmnt_len"):
-        build_engine("fast", members=pair, segmnt_len=3)
+        SpecEM.from_preset("fast", members=pair, segmnt_len=3)
     with pytest.raises(ConfigError, match="segment_len must be an integer >= 1"):
-        build_engine("fast", members=pair, segment_len=0)
+        SpecEM.from_preset("fast", members=pair, segment_len=0)
     with pytest.raises(ConfigError, match="members is empty"):
-        build_engine("fast", members=[])
+        SpecEM.from_preset("fast", members=[])
     # no preset name with members of your own: the library defaults, no weights
     engine = SpecEM.from_preset(None, members=pair)
     assert (engine.config.normalization, engine.weights) == ("sum", None)
@@ -154,16 +153,16 @@ def test_a_weights_file_of_a_preset_starts_from_its_prior(tmp_path: Path, monkey
 
     monkeypatch.setattr(registry, "load_member", lambda spec, **kw: ScriptedMember(spec, [("Hi.", True)]))
     path = tmp_path / "w.json"
-    engine = build_engine("fast", weights=str(path))
+    engine = SpecEM.from_preset("fast", weights=str(path))
     assert engine.weights is not None
     assert engine.weights.path == path
     assert json.loads(path.read_text())["prior"] == PRESETS["fast"].weights().prior  # type: ignore[union-attr]
     assert engine.weights.min_share == 0.1
-    again = build_engine("fast", weights=str(path))  # an existing file is loaded as it is
+    again = SpecEM.from_preset("fast", weights=str(path))  # an existing file is loaded as it is
     assert again.weights is not None
     assert again.weights.prior == engine.weights.prior
-    assert build_engine("fast", weights=False).weights is None
-    assert [m.name for m in build_engine("fast").members] == list(PRESETS["fast"].members)
+    assert SpecEM.from_preset("fast", weights=False).weights is None
+    assert [m.name for m in SpecEM.from_preset("fast").members] == list(PRESETS["fast"].members)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 from scripted import ScriptedMember
 
 from specem_core import Candidate, ConfigError, SpecEM, SpecEMConfig
-from specem_core.engine import combine_leave_self_out
+from specem_core.scoring import combine_leave_self_out
 from specem_core.weights import MemberWeights
 
 

@@ -133,8 +133,7 @@ def explain(task: str, name: str) -> str:
     """Replay the recorded rounds of one configuration: how often each verifier ranks its own
     candidate first (self-preference), whose candidate each vote rule would pick on the same
     candidates and scores (paper vote, leave-self-out, one verifier alone), and the vote margins."""
-    from specem_core.engine import combine_leave_self_out
-    from specem_core.scoring import argmax_first, combine, normalize_row
+    from specem_core.scoring import argmax_first, combine, combine_leave_self_out, normalize_row
     from specem_core.types import Candidate
 
     recs = records(task, name)

@@ -25,11 +25,10 @@ def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
     spec = configs.CONFIGS[name]
     if "preset" in spec:
         from specem_core.presets import PRESETS
-        from specem_core.presets import build_engine as preset_engine
 
         saved = state_path(task, name, fold)
         overrides = {k: v for k, v in spec["config"].items() if PRESETS[spec["preset"]].config.get(k) != v}
-        return preset_engine(
+        return SpecEM.from_preset(
             spec["preset"],
             backend="llamacpp",
             weights=MemberWeights.load(saved) if saved.exists() else None,

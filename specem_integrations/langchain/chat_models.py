@@ -313,10 +313,10 @@ class ChatSpecEM(BaseChatModel):
             return self._engine
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.presets import build_engine
+        from specem_core.engine import SpecEM
 
         # the settings go per request (_overrides); the engine carries the preset's and the prior
-        return build_engine(
+        return SpecEM.from_preset(
             self._preset(),
             members=self.members,
             weights=self.member_weights,

@@ -261,10 +261,10 @@ class SpecEMLLM(FunctionCallingLLM):
         return self._engine is not None
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.presets import build_engine
+        from specem_core.engine import SpecEM
 
         # the settings go per request (_config_overrides); the engine carries the preset's and the prior
-        return build_engine(
+        return SpecEM.from_preset(
             self._preset(),
             members=self.members,
             weights=self.member_weights,
