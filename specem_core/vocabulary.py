@@ -8,10 +8,14 @@ field is rejected with the closest names, never dropped.
 ==================  =============================  =========================================
 concept             SpecEMConfig / SpecEM          CLI / LangChain / LlamaIndex / server
 ==================  =============================  =========================================
-answer cap          ``max_new_tokens``             ``--max-tokens`` / ``max_tokens``
+answer cap          ``max_new_tokens``             ``--max-tokens`` / ``max_tokens`` (the
+                                                   server also ``max_completion_tokens``)
 stop strings        ``stop``                       ``--stop`` / ``stop`` (``stop_sequences``)
 member retries      ``member_retries``             ``max_retries``
 ==================  =============================  =========================================
+
+:data:`ALIASES` is the one table of these spellings: every surface reads it (through
+:func:`config_fields` and :func:`surface_names`) instead of spelling the pairs itself.
 
 Example:
     >>> config_fields({"max_tokens": 64, "temperature": 0}, where="ChatSpecEM")
@@ -36,6 +40,22 @@ ALIASES: dict[str, str] = {
     "max_retries": "member_retries",
 }
 """Surface name -> the SpecEMConfig field it sets."""
+
+OPENAI_ALIASES: dict[str, str] = {"max_completion_tokens": "max_new_tokens"}
+"""Spellings the OpenAI-compatible server takes besides :data:`ALIASES` (OpenAI's newer name of
+``max_tokens``; given both, it wins)."""
+
+
+def surface_names(attributes: Iterable[str]) -> dict[str, str]:
+    """Field -> the surface's own name for it, for the :data:`ALIASES` a surface holds as
+    attributes (e.g. ``{"max_new_tokens": "max_tokens"}`` for a class with a ``max_tokens`` field).
+
+    Example:
+        >>> surface_names(["max_tokens", "max_retries", "temperature"])
+        {'max_new_tokens': 'max_tokens', 'member_retries': 'max_retries'}
+    """
+    names = set(attributes)
+    return {field: alias for alias, field in ALIASES.items() if alias in names}
 
 
 def config_fields(options: Mapping[str, Any], *, where: str, extra: Iterable[str] = ()) -> dict[str, Any]:

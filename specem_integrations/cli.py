@@ -32,6 +32,7 @@ from specem_core.presets import (
     resolve,
 )
 from specem_core.types import GenerationResult
+from specem_core.vocabulary import config_fields
 
 if TYPE_CHECKING:
     from specem_core.engine import SpecEM
@@ -311,9 +312,9 @@ def _weights_option(args: argparse.Namespace) -> str | bool | None:
 
 def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
     """The preset's settings, the options over them, then ``--set``."""
-    overrides: dict[str, Any] = {
+    options: dict[str, Any] = {  # named as on the command line (the aliases: specem_core.vocabulary)
         "segment_len": args.segment_len,
-        "max_new_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "seed": args.seed,
@@ -324,7 +325,7 @@ def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
         "token_healing": args.token_healing,
         "faithful": True if args.faithful else None,
     }
-    return _with_set_options(config_of(preset, **overrides), args.set_options)
+    return _with_set_options(config_of(preset, **config_fields(options, where="specem")), args.set_options)
 
 
 def _with_set_options(config: SpecEMConfig, items: Sequence[str]) -> SpecEMConfig:
@@ -660,7 +661,8 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     MemberWeights({}, **options)  # validate the options before loading anything
     _check_renamed(args)
     preset = resolve(args.preset, members_given=bool(args.model))
-    config = _with_set_options(SpecEMConfig().replace(max_new_tokens=args.max_tokens), args.set_options)
+    answer_cap = config_fields({"max_tokens": args.max_tokens}, where="specem calibrate")
+    config = _with_set_options(SpecEMConfig().replace(**answer_cap), args.set_options)
     template = args.prompt_template
     if template is not None:  # "\n" typed on a shell command line means a line break
         template = template.replace("\\n", "\n").replace("\\t", "\t")

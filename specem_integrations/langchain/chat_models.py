@@ -29,7 +29,7 @@ from specem_core.deadline import awithin, timeout_of, within
 from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.tools import normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, StreamEvent
-from specem_core.vocabulary import check_known, config_fields, with_field_names
+from specem_core.vocabulary import check_known, config_fields, surface_names, with_field_names
 from specem_integrations.langchain._convert import final_chunk, to_ai_message, to_engine_messages
 
 if TYPE_CHECKING:
@@ -55,8 +55,9 @@ _IGNORED_KEYS = frozenset({"strict", "stream_usage"})
 """Per-call arguments LangChain or agents may pass that mean nothing to a local ensemble."""
 _FIXED_PER_INSTANCE = frozenset({"members", "preset", "engine", "engine_options", "backend", "member_kwargs"})
 """Arguments that choose the ensemble: set on the instance, never per call."""
-_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "member_retries": "max_retries"}
-"""SpecEMConfig / CLI spellings accepted for ChatSpecEM's fields (LangChain's names win)."""
+_FIELD_ALIASES = surface_names(["max_tokens", "max_retries"])
+"""SpecEMConfig / CLI spellings accepted for ChatSpecEM's fields (LangChain's names win), by the
+field they set (the table: :data:`specem_core.vocabulary.ALIASES`)."""
 
 
 class ChatSpecEM(BaseChatModel):
@@ -329,10 +330,7 @@ class ChatSpecEM(BaseChatModel):
         """SpecEMConfig overrides of one request: the fields, then the per-call arguments."""
         out = config_fields(self.engine_options, where="ChatSpecEM engine_options")
         out.update({k: getattr(self, k) for k in _KNOBS if getattr(self, k) is not None})
-        if self.max_tokens is not None:
-            out["max_new_tokens"] = self.max_tokens
-        if self.max_retries is not None:
-            out["member_retries"] = self.max_retries
+        out.update(config_fields({name: getattr(self, name) for name in _FIELD_ALIASES.values()}, where="ChatSpecEM"))
         stops = stop if stop is not None else self.stop
         if stops is not None:
             out["stop"] = tuple(stops)

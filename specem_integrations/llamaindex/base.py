@@ -37,7 +37,7 @@ from specem_core.deadline import awithin, timeout_of, within
 from specem_core.errors import ConfigError, InputError
 from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.types import validate_messages
-from specem_core.vocabulary import check_known, config_fields, with_field_names
+from specem_core.vocabulary import check_known, config_fields, surface_names, with_field_names
 from specem_integrations.llamaindex._convert import (
     new_tool_call_id,
     resolve_tool_choice,
@@ -70,7 +70,9 @@ _KNOBS = (
     "normalization",
 )
 """SpecEMLLM fields that are :class:`SpecEMConfig` fields of the same name."""
-_FIELD_ALIASES = {"max_new_tokens": "max_tokens", "member_retries": "max_retries", "model_name": "model"}
+_SURFACE_NAMES = surface_names(["max_tokens", "max_retries"])
+"""SpecEMLLM's fields named as LlamaIndex names them, by the SpecEMConfig field they set."""
+_FIELD_ALIASES = {**_SURFACE_NAMES, "model_name": "model"}
 """SpecEMConfig / older spellings accepted for SpecEMLLM's fields (LlamaIndex's names win)."""
 _FIXED_PER_INSTANCE = frozenset({"members", "preset", "model", "engine", "engine_options", "backend", "member_kwargs"})
 """Arguments that choose the ensemble: set on the instance, never per call."""
@@ -280,10 +282,9 @@ class SpecEMLLM(FunctionCallingLLM):
             value = getattr(self, name)
             if value is not None:
                 overrides[name] = value
-        if self.max_tokens is not None:
-            overrides["max_new_tokens"] = self.max_tokens
-        if self.max_retries is not None:
-            overrides["member_retries"] = self.max_retries
+        overrides.update(
+            config_fields({name: getattr(self, name) for name in _SURFACE_NAMES.values()}, where="SpecEMLLM")
+        )
         call = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS and k != "timeout"}
         for key in call:
             if key in _FIXED_PER_INSTANCE:

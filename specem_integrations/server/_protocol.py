@@ -20,6 +20,7 @@ from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError, InputError
 from specem_core.tools import OutputPlan, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, Segment, ToolCall, validate_messages
+from specem_core.vocabulary import ALIASES, OPENAI_ALIASES
 from specem_integrations.server._errors import APIError, invalid_request
 
 TRACE_HEADER = "x-specem-trace"
@@ -343,16 +344,11 @@ def build_call(
             overrides[key] = value
             params[key] = param
 
-    if req.max_completion_tokens is not None:
-        put("max_new_tokens", req.max_completion_tokens, "max_completion_tokens")
-    else:
-        put("max_new_tokens", req.max_tokens, "max_tokens")
-    if "max_new_tokens" in overrides and overrides["max_new_tokens"] < 1:
-        raise invalid_request(
-            f"{params['max_new_tokens']} must be at least 1, got {overrides['max_new_tokens']}.",
-            params["max_new_tokens"],
-            "invalid_value",
-        )
+    cap = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"  # OpenAI's newer name wins
+    answer_cap = {**ALIASES, **OPENAI_ALIASES}[cap]
+    put(answer_cap, getattr(req, cap), cap)
+    if answer_cap in overrides and overrides[answer_cap] < 1:
+        raise invalid_request(f"{cap} must be at least 1, got {overrides[answer_cap]}.", cap, "invalid_value")
     if req.temperature is not None and not (0.0 <= req.temperature <= 2.0 and math.isfinite(req.temperature)):
         raise invalid_request(
             f"temperature must be between 0 and 2, got {req.temperature}.", "temperature", "invalid_value"
