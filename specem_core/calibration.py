@@ -1,6 +1,6 @@
 """A weight prior from a small labelled calibration set: each member answers alone, and is graded.
 
-The quality study (README, "Quality" v4–v6) found that the votes measure likelihood, not
+The quality study (docs/reports/quality.md) found that the votes measure likelihood, not
 correctness: weights learned from votes alone can come to trust a weaker member, and Model Exit
 then stops the stronger one. What separated the members was a prior measured on labelled
 examples of the task: each member's score alone, ``1 + score in %``. :func:`calibrate` measures
@@ -139,7 +139,7 @@ class Calibration:
 
     @property
     def prior(self) -> dict[str, float]:
-        """``1 + score in %`` per member: the prior of the quality study (README "Quality" v4).
+        """``1 + score in %`` per member: the prior of the quality study (docs/reports/quality.md).
         The 1 keeps a member that solved nothing positive, so it still takes part (a gate,
         ``min_share``, is what keeps it out)."""
         return {name: 1.0 + s.score for name, s in self.scores.items()}
@@ -159,9 +159,9 @@ class Calibration:
         """Examples where member ``a`` got more credit than ``b``, fewer, and the two-sided exact
         sign test's p on those (ties dropped): whether the set separates the two at all.
 
-        On 20 GSM8K problems the 0.5B of the quality study scored 50 against the 1.5B's 40 (4
-        better, 2 worse, p = 0.69); on all 200, 31 against 47.5. A prior from a set that does
-        not separate the best two can trust the wrong one: add examples until p is small.
+        A prior from a set that does not separate the best two can trust the wrong one (small
+        sets ranked the quality study's members the wrong way round: docs/reports/quality.md,
+        "How many calibration examples"): add examples until p is small.
         """
         for name in (a, b):
             if name not in self.scores:

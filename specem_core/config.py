@@ -109,27 +109,25 @@ class SpecEMConfig:
     :class:`~specem_core.weights.MemberWeights` (e.g. accuracy alone on a labelled calibration
     set); among equal priors the larger model (``draft_cost``, where the backend knows it), then
     the higher learned weight. Votes measure likelihood, not correctness: without this, exit can
-    stop the stronger member and leave the answer to a weaker one whose text is more predictable
-    (GSM8K, README "Quality" v4: the 1.5B stopped drafting in a third of the answers and the
-    ensemble fell 4.5 points below it; kept drafting, 2 points above). What the weights learned
-    comes from those same votes, so it only breaks the last tie (v6). No effect without member
-    weights or when a tie remains; ``False`` lets votes alone decide."""
+    stop the stronger member and leave the answer to a weaker one whose text is more predictable.
+    What the weights learned comes from those same votes, so it only breaks the last tie
+    (measured: docs/reports/quality.md, "Lessons learned"). No effect without member weights or
+    when a tie remains; ``False`` lets votes alone decide."""
     exit_agreement_rounds: int = 0
     """Model Exit also stops a drafter whose candidate was the same text as that of the member exit
     keeps (the trusted one, ``exit_keep_trusted``; else the leader by votes) in this many
     consecutive rounds: while it agrees it changes no decision, and each of its drafts still costs
-    a decode (README "Quality" v5 measures what it saves and what it costs). 0 (default): off."""
+    a decode (what it saves and costs: docs/reports/quality.md). 0 (default): off."""
     trusted_opening_rounds: int = 0
     """The first this many rounds are drafted by the trusted member alone (the drafter
     ``exit_keep_trusted`` names: the highest prior in the member weights, then the larger model),
     and its draft is committed without a vote. The opening sets an answer's format (case, layout),
     and there a likelihood vote can prefer a weaker member's generic opening to the trusted
-    member's compliant one (README "Quality" v7 measures it). Where answers are one or two rounds
-    long (a letter, a number) the opening is the answer, and a vote of weaker members can overrule
-    the trusted one (ARC-Easy: 29.8 against its 50.4 with 0, 50.2 with 1;
-    README "Quality", "A held-out task"); 1 is the recommended setting with member weights. No
-    effect without member weights or when a tie in the prior names no single member. 0 (default):
-    off."""
+    member's compliant one. Where answers are one or two rounds long (a letter, a number) the
+    opening is the answer, and a vote of weaker members can overrule the trusted one (measured:
+    docs/reports/quality.md, "The held-out task"; the presets' setting:
+    :mod:`specem_core.presets`). No effect without member weights or when a tie in the prior names
+    no single member. 0 (default): off."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True

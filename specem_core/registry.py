@@ -52,8 +52,8 @@ _LOADED_GGUF: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
 
 def default_backend() -> Literal["transformers", "llamacpp"]:
     """The backend of local members when none is named: llama.cpp when llama-cpp-python imports and
-    no CUDA device is visible (measured 4-7x faster than transformers fp32 on a CPU; see the README's
-    Performance section), else transformers."""
+    no CUDA device is visible (it is the faster of the two on a CPU: docs/reports/performance.md),
+    else transformers."""
     if importlib.util.find_spec("llama_cpp") is None:
         return "transformers"
     if importlib.util.find_spec("torch") is not None:

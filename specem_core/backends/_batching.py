@@ -6,7 +6,7 @@ compete for the same cores or GPU. A :class:`DeviceQueue` (one per device) inste
 forward pass at a time and merges the one-token decode steps that several sessions of the same
 model are waiting on into one padded pass: a small model's decode step reads all its weights
 for one row as for eight, so on a CPU (and more so on a GPU) the rows come almost for free
-(README, "Serving": measured by ``benchmarks/serve_load.py``).
+(measured by ``benchmarks/serve_load.py``: docs/reports/performance.md, "Serving under load").
 
 The same goes for the sessions' verification blocks and for the prompt prefills of requests
 arriving together. Batching is *continuous*: a step joins whichever pass starts next. The session

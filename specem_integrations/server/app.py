@@ -1,12 +1,8 @@
 """The ASGI application behind ``specem serve``: an OpenAI-compatible chat-completions server.
 
-Stack: **Starlette + uvicorn**. The OpenAI surface is three routes, and what matters is exact
-control of the wire format: OpenAI-style error bodies for every failure (FastAPI's default
-422 validation errors and its HTTPException bodies would all have to be overridden), SSE
-streams that notice a client going away between two segments, and request validation with
-pydantic v2 models (a base dependency already). Starlette is the small, well-kept ASGI toolkit
-FastAPI itself is built on; uvicorn is the reference ASGI server (graceful shutdown on SIGINT /
-SIGTERM, bounded by ``timeout_graceful_shutdown``). Both are in the ``server`` extra.
+Starlette (routes, SSE) and uvicorn (the ASGI server; graceful shutdown on SIGINT / SIGTERM,
+bounded by ``timeout_graceful_shutdown``), both in the ``server`` extra: the wire format is held
+exactly, with OpenAI-style error bodies for every failure and requests validated by pydantic.
 
 Concurrency model (one :class:`~specem_core.SpecEM` shared by every request, each request with
 its own member sessions):
