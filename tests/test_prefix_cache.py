@@ -35,9 +35,11 @@ def test_store_finds_the_longest_prefix_and_keeps_one_token_to_decode() -> None:
     store.add([1, 2, 3, 4], "a")
     store.add([1, 2, 9], "b")
     match = store.find([1, 2, 3, 4, 5])
-    assert match is not None and (match.entry.value, match.reused) == ("a", 4)
+    assert match is not None
+    assert (match.entry.value, match.reused) == ("a", 4)
     full = store.find([1, 2, 3, 4])  # an exact hit still decodes its last token
-    assert full is not None and full.reused == 3
+    assert full is not None
+    assert full.reused == 3
     assert store.find([7, 8]) is None
     assert store.find([1, 2, 3], min_reused=3) is None  # only 2 usable: one token left to decode
 
@@ -47,7 +49,9 @@ def test_store_ties_go_to_the_least_recently_used_and_take_removes() -> None:
     store.add([1, 2, 3], "old")
     store.add([1, 2, 4], "new")
     match = store.find([1, 2, 5], take=True)
-    assert match is not None and match.entry.value == "old" and match.reused == 2
+    assert match is not None
+    assert match.entry.value == "old"
+    assert match.reused == 2
     assert len(store) == 1
 
 
@@ -58,9 +62,11 @@ def test_store_evicts_least_recently_used_past_its_budget_and_supersedes_shorter
     store.add([5, 6, 7, 8], "b")
     store.find([1, 2, 3, 4, 9])  # a becomes the most recently used
     store.add([9, 9, 9], "c")  # 11 tokens: b (least recently used) goes
-    assert evicted == ["b"] and store.tokens == 7
+    assert evicted == ["b"]
+    assert store.tokens == 7
     store.add([1, 2, 3, 4, 5, 6], "a2")  # the same conversation one turn on: a is superseded
-    assert evicted == ["b", "a"] and store.tokens == 9
+    assert evicted == ["b", "a"]
+    assert store.tokens == 9
     assert not store.add(list(range(11)), "too long")  # longer than the budget: never kept
     assert evicted[-1] == "too long"
 
@@ -96,7 +102,8 @@ def test_transformers_follow_up_turn_prefills_only_its_new_tokens(kind: str) -> 
     prompt2 = member.encode_prompt(SessionRequest(_chat("Tell me about Paris.", first.text, "And Berlin?")))
     held = member.encode_prompt(SessionRequest(_chat("Tell me about Paris."))) + member.encode_response(first.text)
     shared = common_prefix(held, prompt2)
-    assert shared > 0 and usage.cached_tokens == shared
+    assert shared > 0
+    assert usage.cached_tokens == shared
     new_tokens = usage.prompt_tokens - shared
     assert usage.prefilled_tokens == new_tokens  # only what is new was run through the model
     assert second.usage.cached_tokens == shared
@@ -112,7 +119,8 @@ def test_transformers_greedy_text_with_the_cache_equals_without(kind: str) -> No
     )
     assert [r.text for r in cached] == [r.text for r in plain]
     assert [[s.winner for s in r.segments] for r in cached] == [[s.winner for s in r.segments] for r in plain]
-    assert cached[1].usage.cached_tokens > 0 and all(r.usage.cached_tokens == 0 for r in plain)
+    assert cached[1].usage.cached_tokens > 0
+    assert all(r.usage.cached_tokens == 0 for r in plain)
 
 
 def test_transformers_scores_on_a_reused_prefix_equal_a_fresh_session() -> None:
@@ -183,8 +191,10 @@ def test_llama_cpp_follow_up_turn_prefills_only_its_new_tokens(smollm_q4_1: Path
     shared = min(common_prefix(held, prompt2), len(prompt2) - 1)
     usage = second.usage.per_member[0]
     assert shared > len(member.encode_prompt(SessionRequest(_chat("What is 2+2?")))) // 2
-    assert usage.cached_tokens == shared and usage.prefilled_tokens == len(prompt2) - shared
-    assert member.model.contexts_in_use == 0 and len(member.model.prefixes) == 1
+    assert usage.cached_tokens == shared
+    assert usage.prefilled_tokens == len(prompt2) - shared
+    assert member.model.contexts_in_use == 0
+    assert len(member.model.prefixes) == 1
 
 
 def test_llama_cpp_greedy_text_with_the_cache_equals_without(smollm_q4_1: Path) -> None:
@@ -192,7 +202,8 @@ def test_llama_cpp_greedy_text_with_the_cache_equals_without(smollm_q4_1: Path) 
     cached = _turns(SpecEM([_llama(smollm_q4_1)], config), SHORT, max_new_tokens=6)
     plain = _turns(SpecEM([_llama(smollm_q4_1, prefix_cache=False)], config), SHORT, max_new_tokens=6)
     assert [r.text for r in cached] == [r.text for r in plain]
-    assert cached[1].usage.cached_tokens > 0 and plain[1].usage.cached_tokens == 0
+    assert cached[1].usage.cached_tokens > 0
+    assert plain[1].usage.cached_tokens == 0
 
 
 def _head_logits_equal_fresh(member: Any, session: Any) -> float:
@@ -243,13 +254,16 @@ def test_llama_cpp_eviction_under_a_tiny_budget_frees_contexts(smollm_q4_1: Path
     assert len(member.model.prefixes) == 1  # each conversation (~40 tokens) evicts the last
     tiny_budget = _llama(smollm_q4_1, prefix_cache_tokens=5)
     SpecEM([tiny_budget], SpecEMConfig(max_new_tokens=3)).generate(_chat("One?"))
-    assert len(tiny_budget.model.prefixes) == 0 and tiny_budget.model.contexts_in_use == 0
+    assert len(tiny_budget.model.prefixes) == 0
+    assert tiny_budget.model.contexts_in_use == 0
 
 
 def test_llama_cpp_concurrent_sessions_on_one_member_stay_isolated(smollm_q4_1: Path) -> None:
     config = SpecEMConfig(segment_len=3, max_new_tokens=6)
     questions = [["Hi.", "Bye."], ["Yes?", "No?"], ["Red?", "Blue?"]]
-    want = [[r.text for r in _turns(SpecEM([_llama(smollm_q4_1, prefix_cache=False)], config), q, 6)] for q in questions]
+    want = [
+        [r.text for r in _turns(SpecEM([_llama(smollm_q4_1, prefix_cache=False)], config), q, 6)] for q in questions
+    ]
     member = _llama(smollm_q4_1, max_contexts=2)  # fewer contexts than conversations: they are shared
     engine = SpecEM([member], config)
     got: dict[int, list[str]] = {}
@@ -268,4 +282,33 @@ def test_llama_cpp_concurrent_sessions_on_one_member_stay_isolated(smollm_q4_1: 
         t.join(300)
     assert not errors
     assert [got[n] for n in range(len(questions))] == want
-    assert member.model.peak_contexts_in_use <= 2 and member.model.contexts_in_use == 0
+    assert member.model.peak_contexts_in_use <= 2
+    assert member.model.contexts_in_use == 0
+
+
+def test_llama_cpp_concurrent_requests_sharing_a_long_prefix_each_reuse_it(smollm_q4_1: Path) -> None:
+    """A served system prompt: the context holding it serves one request; the others load the
+    host-memory copy of its rows into contexts of their own, with the same logits bit for bit."""
+    from specem_core.backends.llama_cpp.model import SNAPSHOT_MIN_TOKENS
+
+    member = _llama(smollm_q4_1)
+    system = " ".join(f"Rule {i}: be brief and exact." for i in range(40))
+
+    def request(question: str) -> SessionRequest:
+        return SessionRequest([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+    first = member.open(request("Hi."))
+    first.draft(2, GREEDY)
+    first.close()
+    assert len(member.encode_prompt(request("Hi."))) >= SNAPSHOT_MIN_TOKENS
+    assert len(member.model.snapshots) == 1
+    a, b = member.open(request("Bye.")), member.open(request("Bye."))
+    a.draft(2, GREEDY)  # takes the context that holds the rows
+    b.draft(2, GREEDY)  # loads the copy into a context of its own
+    shared = common_prefix(member.encode_prompt(request("Hi.")), member.encode_prompt(request("Bye.")))
+    assert a.cached_tokens == b.cached_tokens == shared >= SNAPSHOT_MIN_TOKENS
+    assert member.model.contexts_in_use == 2
+    assert (a._committed_logits == b._committed_logits).all()
+    assert a.draft(4, GREEDY).text == b.draft(4, GREEDY).text
+    a.close()
+    b.close()

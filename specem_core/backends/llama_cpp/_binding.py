@@ -8,6 +8,7 @@ ballast sequence that keeps retired cells occupied (see :mod:`.session` for why)
 from __future__ import annotations
 
 import codecs
+import ctypes
 import logging
 import math
 import os
@@ -131,6 +132,25 @@ class Context:
         """Keep positions ``[0, length)`` of ``seq``; False where llama.cpp cannot cut the sequence
         there (recurrent or hybrid memory): nothing was removed."""
         return bool(self._lib.llama_memory_seq_rm(self._mem, seq, length, -1))
+
+    def save_sequence(self) -> bytes:
+        """Sequence 0's KV rows as bytes (``llama_state_seq_get_data``): a prefix another context
+        can load while this one serves its own request."""
+        lib = self._lib
+        size = int(lib.llama_state_seq_get_size(self._ctx, 0))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(lib.llama_state_seq_get_data(self._ctx, buf, size, 0))
+        return ctypes.string_at(buf, written)
+
+    def load_sequence(self, data: bytes) -> bool:
+        """Fill sequence 0 of this (empty) context from :meth:`save_sequence`'s bytes; False when
+        llama.cpp refuses them (nothing is loaded then). The rows land in cells 0.. in position
+        order, so the session's cell-order rule holds."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(data), 0)) == 0:
+            self.reset()
+            return False
+        return True
 
     def share(self, src: int, dst: int, start: int, end: int) -> None:
         """Let ``dst`` see positions ``[start, end)`` of ``src`` (cells are shared, not copied)."""

@@ -36,6 +36,10 @@ from specem_core.backends.llama_cpp._binding import (
 )
 from specem_core.errors import ModelNotFoundError
 
+SNAPSHOT_MIN_TOKENS = 256
+"""Finished prefixes at least this long are also copied to host memory (a few ms per thousand
+tokens), so that concurrent requests sharing them (a served system prompt) each load them."""
+
 
 class LlamaCppModel:
     """GGUF weights loaded once (memory-mapped), with a pool of contexts for concurrent sessions.
@@ -98,6 +102,10 @@ class LlamaCppModel:
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
         self.prefixes: PrefixStore[Context] = PrefixStore(self.prefix_cache_tokens, self._free_context)
         """Idle contexts holding a finished request's rows, by the token ids they hold."""
+        self.snapshots: PrefixStore[bytes] = PrefixStore(self.prefix_cache_tokens)
+        """Copies of finished requests' rows in host memory (``llama_state_seq_get_data``): what
+        concurrent requests sharing a prefix load into contexts of their own, while the context
+        that holds the rows serves one of them."""
         self._created = 0
         self._in_use = 0
         self.peak_contexts_in_use = 0
@@ -143,19 +151,19 @@ class LlamaCppModel:
         context, cleared; when every context is busy, the next one released.
         """
         deadline = time.monotonic() + self.wait_seconds
+        wanted = max(1, math.ceil(MIN_SHARED_FRACTION * len(prompt)))
         with self._pool_cond:
             while True:
                 if self._closed:
                     raise LlamaCppError(f"{self.name}: the model was closed")
                 if prompt and self.prefix_cache:
-                    wanted = max(1, math.ceil(MIN_SHARED_FRACTION * len(prompt)))
                     match = self.prefixes.find(prompt, min_reused=wanted, take=True)
                     if match is not None:
                         self._take()
                         return self._reuse(match.entry.value, match.reused, len(prompt))
                 if self._pool:
                     self._take()
-                    return self._pool.pop(), 0
+                    return self._load_snapshot(self._pool.pop(), prompt, wanted)
                 if self._created < self.max_contexts:
                     self._created += 1
                     self._take()
@@ -177,13 +185,25 @@ class LlamaCppModel:
                     )
                 self._pool_cond.wait(left)
         try:
-            return Context(self), 0
+            context = Context(self)
         except BaseException:
             with self._pool_cond:
                 self._created -= 1
                 self._in_use -= 1
                 self._pool_cond.notify()
             raise
+        return self._load_snapshot(context, prompt, wanted)
+
+    def _load_snapshot(self, context: Context, prompt: Sequence[int], wanted: int) -> tuple[Context, int]:
+        """An empty context, filled from the host-memory copy sharing the longest prefix with
+        ``prompt`` when there is one (a concurrent request took the context holding those rows)."""
+        if not (prompt and self.prefix_cache):
+            return context, 0
+        match = self.snapshots.find(prompt, min_reused=wanted)
+        if match is None or not context.load_sequence(match.entry.value):
+            return context, 0
+        context.held = list(match.entry.ids)
+        return self._reuse(context, match.reused, len(prompt))
 
     def _reuse(self, context: Context, reused: int, prompt_len: int) -> tuple[Context, int]:
         """Cut sequence 0 of a cached context to its first ``reused`` positions.
@@ -225,6 +245,8 @@ class LlamaCppModel:
             elif not cached:
                 self._pool.append(context)
         if cached:
+            if len(context.held) >= SNAPSHOT_MIN_TOKENS:  # worth a copy for concurrent requests
+                self.snapshots.add(context.held, context.save_sequence())
             self.prefixes.add(context.held, context)  # may free older contexts (_free_context)
         with self._pool_cond:
             self._pool_cond.notify()
@@ -239,6 +261,7 @@ class LlamaCppModel:
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (their contexts are freed)."""
         self.prefixes.clear()
+        self.snapshots.clear()
 
     # -- metadata and vocabulary ------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -321,6 +344,7 @@ class LlamaCppModel:
         for context in pool:
             context.close()
         self.prefixes.clear()
+        self.snapshots.clear()
         if self._in_use == 0:
             self.lib.llama_model_free(self.handle)
 
