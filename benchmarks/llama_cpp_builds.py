@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=["smollm2", "qwen2.5-coder", "qwen2.5-coder-1.5b", "gemma3"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -179,9 +180,9 @@ def main() -> None:
         )
         print(f"| {label} | same answer across builds | {across} |")
     summary["runs"] = runs
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\nwrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

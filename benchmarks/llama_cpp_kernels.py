@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--requantize", action="store_true", help="also measure each model requantized to Q4_1")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS} (_q4_1 with --requantize)")
     args = parser.parse_args()
     lib = _lib()
     modes = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
@@ -186,7 +187,7 @@ def main() -> None:
             )
         probe.close()
     scratch.cleanup()
-    out = RESULTS.with_name("llama_cpp_kernels_q4_1.json") if args.requantize else RESULTS
+    out = args.out or (RESULTS.with_name("llama_cpp_kernels_q4_1.json") if args.requantize else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")

@@ -3,6 +3,7 @@
     python benchmarks/speed.py                                   # llama.cpp and transformers, T = 128, 512
     python benchmarks/speed.py --backend llamacpp --tokens 64 128 --naive-tokens 64
     python benchmarks/speed.py --repeats 3 --naive-tokens 0      # medians of 3 alternations
+    python benchmarks/speed.py --preset quality --backend llamacpp   # another preset's members
 
 Prints (a) ensemble time for T tokens / the sum of each member's plain greedy ``generate``
 time for the same T (target <= 1.15); (b) per-token cost at the largest vs the smallest T
@@ -170,10 +171,10 @@ class CallTimes:
 def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
     """Every figure of one backend (the members are loaded here and released at the end)."""
     from specem_core import SpecEM, SpecEMConfig
+    from specem_core.presets import preset_members
     from specem_core.testing.reference import naive_generate
-    from specem_core.registry import default_members
 
-    members = default_members(backend=backend)
+    members = preset_members(args.preset, backend=backend)
     timings = CallTimes(members)
     engine = SpecEM(members, SpecEMConfig(segment_len=args.segment_len, ignore_eos=True))
     # warm-up (allocator, kernels)
@@ -259,6 +260,7 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
         "rows": rows,
         "naive": naive,
         "growth": large["s_per_token"] / small["s_per_token"],
+        "preset": args.preset,
         "members": [m.name for m in members],
         "block_costs": {name: cost for name, cost in blocks.items() if cost is not None},
     }
@@ -342,6 +344,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--backend", nargs="+", default=["llamacpp", "transformers"], choices=["llamacpp", "transformers"]
+    )
+    parser.add_argument(
+        "--preset",
+        default="paper",
+        help="whose members run (default paper: SmolLM2-135M + Qwen2.5-Coder-0.5B, the published figures' pair)",
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--naive-tokens", type=int, default=128, help="0 skips the no-cache loop")

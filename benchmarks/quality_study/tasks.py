@@ -24,7 +24,8 @@ from specem_core.calibration import choice_letter, last_number
 
 ROOT = Path(__file__).resolve().parents[2]
 EVAL_DIR = Path(os.environ.get("SPECEM_EVAL_DIR", ROOT.parent / "shared" / "eval"))
-RESULTS = ROOT / "benchmarks" / "results" / "quality"
+RESULTS = Path(os.environ.get("SPECEM_QUALITY_RESULTS", ROOT / "benchmarks" / "results" / "quality"))
+"""Where answers, grades and reports go (``SPECEM_QUALITY_RESULTS`` elsewhere, e.g. the scripts' smoke test)."""
 TASKS = {"ifeval": 192, "arc": 12, "gsm8k": 320, "humaneval": 512}
 """Task -> max_new_tokens (IFEval at 64 cut most answers short; GSM8K needs worked reasoning;
 HumanEval: a whole function, the answer ends where its code block closes: ``STOP``)."""
