@@ -171,7 +171,7 @@ class Segment:
     """Wall time of the round."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON view."""
+        """Plain-JSON view of the round, every field as named here (the trace's segments)."""
         return dataclasses.asdict(self)
 
 
@@ -294,14 +294,12 @@ class GenerationResult:
             counts[s.winner] = counts.get(s.winner, 0) + 1
         return counts
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON view (used by ``specem chat --json``)."""
+    def trace(self) -> dict[str, Any]:
+        """How the answer was made, as plain JSON: usage per member, members, rounds drafted and
+        won, exclusions, timing and every round (:meth:`Segment.to_dict`). The one serialization
+        of the trace: :meth:`to_dict`, ``specem serve``'s ``specem`` object, ChatSpecEM's
+        ``response_metadata["specem"]`` and SpecEMLLM's ``additional_kwargs`` all use it."""
         return {
-            "text": self.text,
-            "content": self.content,
-            "tool_calls": [c.to_dict() for c in self.tool_calls],
-            "invalid_tool_calls": [c.to_dict() for c in self.invalid_tool_calls],
-            "finish_reason": self.finish_reason,
             "usage": self.usage.to_dict(),
             "members": list(self.members),
             "members_per_round": self.members_per_round,
@@ -309,8 +307,22 @@ class GenerationResult:
             "excluded": [dataclasses.asdict(e) for e in self.excluded],
             "seconds": self.seconds,
             "first_segment_seconds": self.first_segment_seconds,
-            "config": self.config,
             "segments": [s.to_dict() for s in self.segments],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view: the answer, its tool calls and the :meth:`trace` (``specem chat --json``)."""
+        trace = self.trace()
+        segments = trace.pop("segments")
+        return {
+            "text": self.text,
+            "content": self.content,
+            "tool_calls": [c.to_dict() for c in self.tool_calls],
+            "invalid_tool_calls": [c.to_dict() for c in self.invalid_tool_calls],
+            "finish_reason": self.finish_reason,
+            **trace,
+            "config": self.config,
+            "segments": segments,
         }
 
 

@@ -121,38 +121,9 @@ def usage_metadata(result: GenerationResult) -> UsageMetadata:
     )
 
 
-def trace(result: GenerationResult) -> dict[str, Any]:
-    """The SpecEM trace that goes into ``response_metadata["specem"]`` (plain JSON)."""
-    return {
-        "members": list(result.members),
-        "members_per_round": result.members_per_round,
-        "wins": result.wins,
-        "segments": [
-            {
-                "text": s.text,
-                "winner": s.winner,
-                "scores": list(s.combined),
-                "weights": list(s.weights),
-                "candidates": [{"member": c.member, "text": c.text} for c in s.candidates],
-                "drafters": list(s.drafters),
-            }
-            for s in result.segments
-        ],
-        "excluded": [
-            {"member": e.member, "stage": e.stage, "round": e.round, "error": e.error} for e in result.excluded
-        ],
-        "usage_per_member": [
-            {"member": u.member, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
-            for u in result.usage.per_member
-        ],
-        "seconds": result.seconds,
-        "first_segment_seconds": result.first_segment_seconds,
-    }
-
-
 def response_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """``model_name``, ``finish_reason`` and the SpecEM trace."""
-    return {"model_name": model_name, "finish_reason": result.finish_reason, "specem": trace(result)}
+    """``model_name``, ``finish_reason`` and the SpecEM trace (:meth:`GenerationResult.trace`)."""
+    return {"model_name": model_name, "finish_reason": result.finish_reason, "specem": result.trace()}
 
 
 def to_ai_message(result: GenerationResult, model_name: str) -> AIMessage:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from llama_index.core.tools import BaseTool
 
     from specem_core.engine import SpecEM
-    from specem_core.types import GenerationResult, Segment, StreamEvent
+    from specem_core.types import GenerationResult, StreamEvent
 
 _IGNORED_KWARGS = frozenset({"formatted", "verbose"})
 """Keyword arguments LlamaIndex passes along that mean nothing to a local ensemble."""
@@ -109,10 +109,10 @@ class SpecEMLLM(FunctionCallingLLM):
     The engine is built lazily (on the first request or ``metadata`` access) and only once, even
     when several threads ask at the same time. Streaming yields one ``ChatResponse`` per
     committed segment: ``message`` holds the text so far and ``delta`` the new piece; the last
-    one also carries the tool calls and the SpecEM trace. Every response puts the trace in
-    ``raw`` (the full ``GenerationResult.to_dict()``) and a compact view in
-    ``additional_kwargs`` (usage, finish_reason, segments with text / winner / scores / weights,
-    members_per_round).
+    one also carries the tool calls and the SpecEM trace. Every response puts the full
+    ``GenerationResult.to_dict()`` in ``raw`` and the trace (``GenerationResult.trace()``: usage,
+    members_per_round, wins, exclusions, every round's candidates, scores and weights) with
+    OpenAI-style token counts, finish_reason and model_name in ``additional_kwargs``.
     """
 
     model: str | None = Field(
@@ -551,7 +551,7 @@ class _Stream:
             return None
         extra: dict[str, Any] = {}
         if event.segment is not None:
-            extra["segment"] = segment_summary(event.segment)
+            extra["segment"] = event.segment.to_dict()
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=self.text),
             delta=event.delta,
@@ -559,44 +559,23 @@ class _Stream:
         )
 
 
-def segment_summary(segment: Segment) -> dict[str, Any]:
-    """Compact, JSON-ready view of one round: what won, why, with which weights."""
-    return {
-        "index": segment.index,
-        "text": segment.text,
-        "winner": segment.winner,
-        "candidates": [c.member for c in segment.candidates],
-        "scores": list(segment.combined),
-        "weights": dict(zip(segment.verifiers, segment.weights, strict=False)),
-        "drafters": list(segment.drafters),
-    }
-
-
 def trace_summary(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """The compact SpecEM trace put in ``ChatResponse.additional_kwargs``.
-
-    Token counts use OpenAI's key names (as LlamaIndex's OpenAI LLM does) and are in the first
-    member's tokens; ``usage["per_member"]`` has every member's own counts.
-    """
-    usage = result.usage.to_dict()
+    """What goes in ``ChatResponse.additional_kwargs``: token counts under OpenAI's key names (as
+    LlamaIndex's OpenAI LLM reports them; in the first member's tokens), ``finish_reason``,
+    ``model_name`` and the SpecEM trace (:meth:`GenerationResult.trace`: ``usage["per_member"]``
+    has every member's own counts)."""
+    trace = result.trace()
+    usage = trace["usage"]
     summary: dict[str, Any] = {
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["total_tokens"],
-        "usage": usage,
-        "finish_reason": getattr(result, "finish_reason", None),
+        "finish_reason": result.finish_reason,
         "model_name": model_name,
-        "members": list(result.members),
-        "members_per_round": list(result.members_per_round),
-        "wins": dict(result.wins),
-        "segments": [segment_summary(s) for s in result.segments],
-        "seconds": result.seconds,
+        **trace,
     }
-    if getattr(result, "excluded", None):
-        summary["excluded"] = [f"{e.member} ({e.stage}): {e.error}" for e in result.excluded]
-    invalid = getattr(result, "invalid_tool_calls", None)
-    if invalid:
-        summary["invalid_tool_calls"] = [_plain(c) for c in invalid]
+    if result.invalid_tool_calls:
+        summary["invalid_tool_calls"] = [_plain(c) for c in result.invalid_tool_calls]
     return summary
 
 

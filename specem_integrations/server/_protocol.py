@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError, InputError
 from specem_core.tools import OutputPlan, normalize_tool_choice, normalize_tools
-from specem_core.types import GenerationResult, Segment, ToolCall, validate_messages
+from specem_core.types import GenerationResult, ToolCall, validate_messages
 from specem_core.vocabulary import ALIASES, OPENAI_ALIASES
 from specem_integrations.server._errors import APIError, invalid_request
 
@@ -458,42 +458,6 @@ def _call(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def segment_trace(segment: Segment) -> dict[str, Any]:
-    """One round of the trace."""
-    return {
-        "round": segment.index,
-        "text": segment.text,
-        "winner": segment.winner,
-        "candidates": [{"member": c.member, "text": c.text, "ended": c.ended} for c in segment.candidates],
-        "drafters": list(segment.drafters),
-        "verifiers": list(segment.verifiers),
-        "raw_scores": [list(r) for r in segment.raw_scores],
-        "normalized": [list(r) for r in segment.normalized],
-        "weights": list(segment.weights),
-        "combined": list(segment.combined),
-        "seconds": segment.seconds,
-    }
-
-
-def trace_body(result: GenerationResult) -> dict[str, Any]:
-    """The whole per-round trace of a request (only sent when asked for)."""
-    return {
-        "members": list(result.members),
-        "wins": result.wins,
-        "members_per_round": result.members_per_round,
-        "segments": [segment_trace(s) for s in result.segments],
-        "excluded": [
-            {"member": e.member, "stage": e.stage, "round": e.round, "error": e.error} for e in result.excluded
-        ],
-        "usage_per_member": [
-            {"member": u.member, "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens}
-            for u in result.usage.per_member
-        ],
-        "seconds": result.seconds,
-        "first_segment_seconds": result.first_segment_seconds,
-    }
-
-
 def completion_body(
     result: GenerationResult, *, request_id: str, created: int, model: str, trace: bool
 ) -> dict[str, Any]:
@@ -516,7 +480,7 @@ def completion_body(
         "usage": usage_body(result),
     }
     if trace:
-        body["specem"] = trace_body(result)
+        body["specem"] = result.trace()
     return body
 
 

@@ -65,9 +65,7 @@ from specem_integrations.server._protocol import (
     completion_body,
     error_event,
     parse_request,
-    segment_trace,
     sse,
-    trace_body,
 )
 from specem_integrations.server._sessions import CountedMember, SessionCounter
 
@@ -373,7 +371,7 @@ class _Server:
         yield sse(writer.chunk({"role": "assistant", "content": ""}))
         event = first
         while True:
-            extra = {"specem": segment_trace(event.segment)} if call.trace and event.segment is not None else None
+            extra = {"specem": event.segment.to_dict()} if call.trace and event.segment is not None else None
             if event.delta:
                 yield sse(writer.chunk({"content": event.delta}, extra=extra))
             if event.done:
@@ -384,7 +382,7 @@ class _Server:
                     return
                 for chunk in writer.tool_call_chunks(result):
                     yield sse(chunk)
-                final_extra = {"specem": trace_body(result)} if call.trace else None
+                final_extra = {"specem": result.trace()} if call.trace else None
                 yield sse(writer.chunk({}, result.finish_reason, extra=final_extra))
                 if call.include_usage:
                     yield sse(writer.usage_chunk(result))

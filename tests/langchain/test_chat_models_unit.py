@@ -250,7 +250,7 @@ def test_invoke_reports_usage_metadata_and_trace() -> None:
     assert trace["members"] == ["llama", "qwen2"]
     assert trace["members_per_round"] == [2] * len(trace["segments"])
     segment = trace["segments"][0]
-    assert set(segment) >= {"text", "winner", "scores", "weights", "candidates"}
+    assert set(segment) >= {"text", "winner", "combined", "weights", "candidates"}
     assert "".join(s["text"] for s in trace["segments"]) == msg.content
 
 

@@ -99,10 +99,11 @@ def test_chat_returns_the_answer_and_the_trace() -> None:
     assert trace["members_per_round"] == [2] * len(trace["segments"])
     assert "".join(s["text"] for s in trace["segments"]) == "The answer is 42."
     first = trace["segments"][0]
-    assert set(first) >= {"text", "winner", "scores", "weights", "candidates"}
+    assert set(first) >= {"text", "winner", "combined", "weights", "candidates"}
     assert first["winner"] == "alpha"
-    assert set(first["weights"]) == {"alpha", "beta"}
-    assert len(first["scores"]) == len(first["candidates"])
+    assert first["verifiers"] == ["alpha", "beta"]
+    assert len(first["weights"]) == len(first["verifiers"])
+    assert len(first["combined"]) == len(first["candidates"])
     assert response.raw["text"] == "The answer is 42."
     assert response.raw["segments"][0]["raw_scores"]  # the full trace: matrices, rewards, ...
 

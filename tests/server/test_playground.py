@@ -317,7 +317,7 @@ def test_the_streamed_answer_shows_each_rounds_winner_candidates_and_scores(
             segment = segments.nth(i)
             trace = chunk["specem"]
             assert segment.text_content() == chunk["choices"][0]["delta"]["content"]
-            assert segment.get_attribute("data-round") == str(trace["round"])
+            assert segment.get_attribute("data-round") == str(trace["index"])
             assert segment.get_attribute("data-winner") == trace["winner"]
             # coloured as the legend colours the member the trace names as the round's winner
             assert _colour(segment) == legend_colour[trace["winner"]], (i, trace["winner"])
@@ -340,7 +340,7 @@ def test_the_streamed_answer_shows_each_rounds_winner_candidates_and_scores(
         page.keyboard.press("Enter")
         panel = page.get_by_test_id("round")
         panel.wait_for(state="visible")
-        assert panel.get_attribute("data-round") == str(trace["round"])
+        assert panel.get_attribute("data-round") == str(trace["index"])
         assert page.get_by_test_id("round-title").inner_text().endswith(trace["winner"])
         candidates = panel.get_by_test_id("candidate")
         assert candidates.count() == len(trace["candidates"]) >= 2

@@ -239,10 +239,10 @@
       "data-testid": "segment",
       role: "button",
       tabindex: "0",
-      "data-round": trace ? trace.round : "",
+      "data-round": trace ? trace.index : "",
       "data-winner": trace ? trace.winner : "",
-      "aria-label": trace ? `round ${trace.round}, won by ${trace.winner}: ${delta}` : delta,
-      title: trace ? `Round ${trace.round}: ${trace.winner}` : "",
+      "aria-label": trace ? `round ${trace.index}, won by ${trace.winner}: ${delta}` : delta,
+      title: trace ? `Round ${trace.index}: ${trace.winner}` : "",
       text: delta,
     });
     if (trace) span.style.backgroundColor = colourOf(trace.winner);
@@ -383,8 +383,8 @@
     if (state.selected) state.selected.classList.remove("selected");
     state.selected = span;
     span.classList.add("selected");
-    els.round.dataset.round = trace.round;
-    els.roundTitle.textContent = `Round ${trace.round}: won by `;
+    els.round.dataset.round = trace.index;
+    els.roundTitle.textContent = `Round ${trace.index}: won by `;
     els.roundTitle.append(memberLabel(trace.winner));
     const body = [];
 
@@ -431,13 +431,13 @@
     scores.append(sbody);
     body.push(el("h3", { className: "note", text: "Every verifier's scores (raw / normalized) and weight" }), scores);
 
-    const excluded = (span.excluded || []).filter((e) => e.round <= trace.round);
+    const excluded = (span.excluded || []).filter((e) => e.round <= trace.index);
     // Model Exit: members that drafted an earlier round of this answer and no longer draft
     const drafting = new Set([...(trace.drafters || []), ...excluded.map((e) => e.member)]);
     const before = new Set();
     for (const other of span.answerSegments || []) {
       const t = other.segmentTrace;
-      if (t && t.round < trace.round) for (const m of t.drafters || []) before.add(m);
+      if (t && t.index < trace.index) for (const m of t.drafters || []) before.add(m);
     }
     const exited = [...before].filter((m) => !drafting.has(m));
     if (exited.length) {
