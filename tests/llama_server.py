@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,9 +201,11 @@ def start_vllm_server(
     max_model_len: int = 2048,
     cpu_core: int | None = None,
     startup_timeout: float = 600.0,
+    extra_args: Sequence[str] = (),
 ) -> LlamaServer:
     """Start ``vllm.entrypoints.openai.api_server`` on a converted packaged model (CPU build: eager
-    mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given)."""
+    mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given; ``extra_args``
+    go to the server's command line)."""
     from specem_core.models import convert, find_packaged
 
     python = vllm_python()
@@ -218,7 +220,7 @@ def start_vllm_server(
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", alias,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
-        "--enforce-eager", "--disable-uvicorn-access-log",
+        "--enforce-eager", "--disable-uvicorn-access-log", *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     if cpu_core is not None:
