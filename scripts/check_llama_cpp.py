@@ -28,8 +28,8 @@ def child() -> None:
     import math
 
     from specem_core.backends.llama_cpp import LlamaCppModel
-    from specem_core.testing.llama_cpp_diagnostics import batch_noise
     from specem_core.models import find_packaged, packaged_gguf
+    from specem_core.testing.llama_cpp_diagnostics import batch_noise
 
     packaged = find_packaged("smollm2")
     assert packaged is not None

@@ -28,9 +28,9 @@ from specem_core.backends.llama_cpp import (  # noqa: E402
     LlamaCppModel,
     requantize,
 )
+from specem_core.scoring import argmax_first, combine, normalize_row  # noqa: E402
 from specem_core.testing.llama_cpp_diagnostics import batch_noise, evaluate_from_scratch  # noqa: E402
 from specem_core.testing.reference import naive_draft, naive_generate, naive_scores  # noqa: E402
-from specem_core.scoring import argmax_first, combine, normalize_row  # noqa: E402
 
 REQ = SessionRequest([{"role": "user", "content": "Tell me about Paris, Berlin and 中文."}])
 PACKAGED = {"llama": "smollm2", "qwen2": "qwen2.5-coder", "gemma3": "gemma3"}

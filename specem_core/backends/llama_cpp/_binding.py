@@ -14,12 +14,9 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from specem_core.errors import ModelNotFoundError, SpecEMError
-
-if TYPE_CHECKING:
-    from specem_core.backends.llama_cpp.model import LlamaCppModel
 
 DEFAULT_N_CTX = 4096
 SCRATCH_SEQUENCES = 14
@@ -34,6 +31,19 @@ MAX_OUTPUTS = 128
 """Logit rows one decode call may return (bounds the per-context output buffer)."""
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
+
+
+class LoadedModel(Protocol):
+    """What a context needs of its model (:class:`~specem_core.backends.llama_cpp.LlamaCppModel`)."""
+
+    lib: Any
+    handle: Any
+    name: str
+    n_ctx: int
+    n_batch: int
+    n_threads: int
+    n_vocab: int
+    decode_calls: int
 
 
 class LlamaCppError(SpecEMError, RuntimeError):
@@ -89,7 +99,7 @@ class Work:
 class Context:
     """One ``llama_context``: a KV cache with sequence 0 for a session and scratch sequences."""
 
-    def __init__(self, model: LlamaCppModel) -> None:
+    def __init__(self, model: LoadedModel) -> None:
         lib = model.lib
         self._lib = lib
         self._model = model

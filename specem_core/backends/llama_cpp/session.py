@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from specem_core.backends._local import LocalSession, common_prefix, consistent, mean_score, plan_scores
 from specem_core.backends.base import SamplingParams, SessionRequest
@@ -44,9 +44,6 @@ from specem_core.backends.llama_cpp._binding import (
     logsumexp,
 )
 from specem_core.types import Candidate, CandidateScore, Draft
-
-if TYPE_CHECKING:
-    from specem_core.backends.llama_cpp.member import LlamaCppMember
 
 
 @dataclass
@@ -85,7 +82,7 @@ class _Scratch:
 class LlamaCppSession(LocalSession):
     """One request's state in a :class:`LlamaCppMember` (see the module docstring)."""
 
-    def __init__(self, member: LlamaCppMember, request: SessionRequest) -> None:
+    def __init__(self, member: Any, request: SessionRequest) -> None:
         import numpy as np
 
         self._m = member

@@ -10,8 +10,7 @@ from typing import Any
 
 from specem_core.backends._local import DEFAULT_PREFIX_CACHE_TOKENS, LocalVocabulary, PrefixStore
 from specem_core.backends.base import SessionRequest
-from specem_core.backends.transformers.passes import BatchedPasses
-from specem_core.backends.transformers.session import TransformersSession
+from specem_core.backends.transformers.session import BatchedPasses, TransformersSession
 from specem_core.chat_format import ChatFormat
 from specem_core.errors import ModelNotFoundError
 from specem_core.gguf import validate_gguf
@@ -62,13 +61,13 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
         """Finished requests' KV rows (per layer: keys, values), by the token ids they hold."""
         self.model = model.eval()
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.name = name or _default_name(model)
         self.can_draft = can_draft
         self.can_verify = can_verify
         self.chat = ChatFormat(tokenizer, chat_template)
-        self._device = model.get_input_embeddings().weight.device
+        self.device = model.get_input_embeddings().weight.device
         self.eot_id = self._find_end_of_turn()
         self.stop_ids = frozenset(self._collect_stop_ids())
         self.pad_id = self.eot_id
@@ -175,13 +174,13 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
         pass there is a string of short kernel launches, and two drafting threads trading the GIL
         at every launch made a lone request about 4x slower (``benchmarks/gpu_check.py`` on an
         H100: 27.1 s against 6.9 s for 128 tokens)."""
-        if self._request_batch_size > 1 and self._device.type == "cpu":
+        if self._request_batch_size > 1 and self.device.type == "cpu":
             return self._model_key()
-        return f"torch:{self._device}"
+        return f"torch:{self.device}"
 
     def _model_key(self) -> str:
         """A key of its own per model on its device (members with different keys run concurrently)."""
-        return f"torch:{self._device}#{id(self.model):x}"
+        return f"torch:{self.device}#{id(self.model):x}"
 
     def open(self, request: SessionRequest) -> TransformersSession:
         """Render and encode the prompt and check that it fits (cheap: the prompt is prefilled on
@@ -194,7 +193,7 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
 
     def __repr__(self) -> str:
         return (
-            f"TransformersMember(name={self.name!r}, device={self._device}, "
+            f"TransformersMember(name={self.name!r}, device={self.device}, "
             f"draft={self.can_draft}, verify={self.can_verify})"
         )
 
