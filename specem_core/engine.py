@@ -727,6 +727,8 @@ class _Run:
     def _result(self, finish: FinishReason, started: float, first_segment: float | None) -> GenerationResult:
         for i, s in self.sessions.items():
             self.usage[i].completion_tokens = s.completion_tokens
+            self.usage[i].cached_tokens = getattr(s, "cached_tokens", 0)  # local members' prefix caches
+            self.usage[i].prefilled_tokens = getattr(s, "prefilled_tokens", 0)
         ref = next((u for i, u in enumerate(self.usage) if i in self.sessions), self.usage[0])
         return GenerationResult(
             text=self.text,

@@ -190,6 +190,12 @@ class MemberUsage:
     """Of ``drafted_tokens``, those that cost no decode step: this member's pick equalled an
     earlier candidate's token, whose scored row it continued from (``SpecEMConfig.draft_hints``)."""
     rounds_drafted: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens read from this member's prefix cache instead of prefilled (local members:
+    the longest prefix a finished request left; see the Performance report)."""
+    prefilled_tokens: int = 0
+    """Tokens this member ran through its model to build the request's prefix (the prompt less
+    ``cached_tokens``, and committed text it caught up with in one batch)."""
 
 
 @dataclass
@@ -205,10 +211,17 @@ class Usage:
         """prompt + completion tokens of the first member."""
         return self.prompt_tokens + self.completion_tokens
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the members' prefix caches, summed over members (OpenAI's
+        ``usage.prompt_tokens_details.cached_tokens``; per member in :attr:`per_member`)."""
+        return sum(u.cached_tokens for u in self.per_member)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view."""
         d = dataclasses.asdict(self)
         d["total_tokens"] = self.total_tokens
+        d["cached_tokens"] = self.cached_tokens
         return d
 
 

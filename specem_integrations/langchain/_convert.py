@@ -16,7 +16,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
 from specem_core.tools import new_call_id
@@ -113,11 +113,14 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """Token usage in the first member's tokens (as SpecEM reports it)."""
+    """Token usage in the first member's tokens (as SpecEM reports it); ``input_token_details``
+    has ``cache_read``: prompt tokens read from the members' prefix caches, summed over members
+    (as langchain-openai maps OpenAI's ``cached_tokens``)."""
     return UsageMetadata(
         input_tokens=result.usage.prompt_tokens,
         output_tokens=result.usage.completion_tokens,
         total_tokens=result.usage.total_tokens,
+        input_token_details=InputTokenDetails(cache_read=result.usage.cached_tokens),
     )
 
 

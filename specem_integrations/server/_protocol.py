@@ -430,12 +430,15 @@ def build_call(
 
 
 # -- responses ---------------------------------------------------------------------------------
-def usage_body(result: GenerationResult) -> dict[str, int]:
-    """OpenAI ``usage`` (in the first member's tokens, as SpecEM counts them)."""
+def usage_body(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI ``usage`` (in the first member's tokens, as SpecEM counts them), with
+    ``prompt_tokens_details.cached_tokens``: prompt tokens read from the members' prefix caches,
+    summed over members (per member in the trace's ``usage``)."""
     return {
         "prompt_tokens": result.usage.prompt_tokens,
         "completion_tokens": result.usage.completion_tokens,
         "total_tokens": result.usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.usage.cached_tokens},
     }
 
 

@@ -486,3 +486,21 @@ def test_member_weights_path_reaches_the_engine(monkeypatch: pytest.MonkeyPatch,
     assert weights.requests == 1
     assert path.exists()  # saved after the request
     assert ChatSpecEM(members=["a", "b"]).get_engine().weights is None  # opt-in
+
+
+def test_a_follow_up_reports_the_tokens_read_from_the_prefix_cache() -> None:
+    """``usage_metadata["input_token_details"]["cache_read"]``: prompt tokens the members read from
+    their prefix caches (as langchain-openai maps OpenAI's ``cached_tokens``)."""
+    import tiny
+
+    model = ChatSpecEM(engine=SpecEM([tiny.member("llama", name="cache-a")], SpecEMConfig(max_new_tokens=6)))
+    history: list[Any] = [SystemMessage("Be brief. " * 8), HumanMessage("Tell me about Paris.")]
+    first = model.invoke(history)
+    second = model.invoke([*history, first, HumanMessage("And Berlin?")])
+    assert first.usage_metadata is not None
+    assert second.usage_metadata is not None
+    read = second.usage_metadata["input_token_details"]["cache_read"]
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0  # nothing cached yet
+    assert 0 < read < second.usage_metadata["input_tokens"]
+    per_member = second.response_metadata["specem"]["usage"]["per_member"]
+    assert [u["cached_tokens"] for u in per_member] == [read]

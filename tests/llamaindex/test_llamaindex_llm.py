@@ -310,3 +310,17 @@ def test_member_weights_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> Non
     llm.complete("hi")
     assert llm.engine.weights is weights
     assert weights.requests == 1
+
+
+def test_a_follow_up_reports_the_tokens_read_from_the_prefix_cache() -> None:
+    """The raw result's usage says how many prompt tokens each member read from its prefix cache."""
+    import tiny
+
+    llm = SpecEMLLM(engine=SpecEM([tiny.member("qwen2", name="cache-b")], SpecEMConfig(max_new_tokens=6)))
+    history = [ChatMessage(role="system", content="Be brief. " * 8), ChatMessage(role="user", content="Hi there.")]
+    first = llm.chat(history)
+    second = llm.chat([*history, first.message, ChatMessage(role="user", content="And then?")])
+    assert first.raw["usage"]["cached_tokens"] == 0
+    usage = second.raw["usage"]
+    assert 0 < usage["cached_tokens"] < usage["prompt_tokens"]
+    assert usage["per_member"][0]["cached_tokens"] == usage["cached_tokens"]

@@ -69,6 +69,28 @@ def test_answer_and_usage(client: openai.OpenAI) -> None:
     assert "specem" not in (completion.model_extra or {})  # the trace is opt-in
 
 
+def test_a_follow_up_reports_cached_tokens(client: openai.OpenAI) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: the conversation so far is read from the
+    members' prefix caches (OpenAI's field; the members' sum)."""
+    history: list[Any] = [
+        {"role": "system", "content": "You answer in a few words. " * 6},
+        {"role": "user", "content": "What colour is the sky?"},
+    ]
+    first = client.chat.completions.create(model="specem", messages=history, max_tokens=6)
+    assert first.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And grass?"},
+    ]
+    second = client.chat.completions.create(model="specem", messages=history, max_tokens=6)
+    assert second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert first.usage.prompt_tokens_details.cached_tokens < cached < second.usage.prompt_tokens
+
+
 def test_stream_equals_answer_and_reports_usage(client: openai.OpenAI) -> None:
     """Greedy: the streamed segments add up to the non-streamed answer."""
     kwargs: dict[str, Any] = {"model": "specem", "messages": QUESTION, "max_completion_tokens": 12}
