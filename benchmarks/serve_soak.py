@@ -9,14 +9,25 @@ and stops it at the end. ``--concurrency`` clients each send one request after a
 ``--minutes`` have passed or ``--max-requests`` were sent, drawing each request's kind from a
 seeded mix:
 
-* ``stream`` — streamed answer with the per-round trace: the concatenated deltas must equal the
-  committed segments, with a finish reason, usage and ``[DONE]``;
-* ``plain`` — non-streamed answer: a string content and a finish reason;
+* ``stream`` — streamed greedy answer with the per-round trace: the concatenated deltas must equal
+  the committed segments, with a finish reason, usage and ``[DONE]``; compared with its prompt's
+  **reference answer**;
+* ``plain`` — non-streamed greedy answer: a string content and a finish reason; compared with its
+  prompt's reference answer;
 * ``tools`` — a forced call of a tool: its arguments must parse as a JSON object with the
   required key;
 * ``json`` — ``response_format`` with a JSON schema: the content must parse and have the keys;
 * ``cancel`` — a long stream dropped after its first content chunk (expected: ``cancelled``);
 * ``bad`` — a malformed request (expected: a 400 with an OpenAI error body).
+
+Reference answers: before the traffic starts, each prompt is asked once, alone, greedy. Every
+stream or plain answer under load is compared with its prompt's reference (``compared``); those
+that differ are counted (``differs``, with examples in ``problems``): the server's own trace cannot
+vouch for an answer that concurrency changed. On transformers members a greedy answer is the same
+alone and batched with others, so any difference is a fault. On llama.cpp members it is not: which
+KV-cache cells a context's tokens land in (they depend on the requests before it) moves the logits
+slightly (``benchmarks/llama_cpp_kernels.py``'s "lower cell" column) and can flip a near tie, so
+there ``differs`` is reported, not a fault by itself.
 
 Outcomes: ``completed``, ``cancelled`` (as intended), ``rejected`` (the bad requests' 400s),
 ``error`` (a proper OpenAI error the request did not expect: 429, 5xx, an error event),
@@ -29,7 +40,9 @@ sessions (``/health``, the largest sample). At the end the server must come back
 Writes ``--out`` (default ``benchmarks/results/serve_soak.json``) with the top-level keys
 ``lost``, ``corrupted``, ``rss_growth`` (fraction, the second window's RSS to the last one's) and
 ``sessions_left``, beside ``windows``, and the same table as markdown next to it (``.md``).
-Targets: 0 lost, 0 corrupted, RSS growth < 5 %, 0 sessions left. Loopback only; every loop is
+Also ``errors`` (requests that got a proper error they did not expect), ``compared`` and
+``differs`` (see above). Targets: 0 lost, 0 corrupted, 0 errors, RSS growth < 5 %, 0 sessions
+left; on transformers members also 0 differs. Loopback only; every loop is
 bounded in count and time.
 """
 
@@ -99,6 +112,10 @@ class Record:
     outcome: str = "lost"
     seconds: float = 0.0
     detail: str = ""
+    compared: bool = False
+    """Whether the answer was checked against its prompt's reference answer."""
+    differs: bool = False
+    """Whether it differed from that reference."""
 
 
 @dataclass
@@ -112,6 +129,8 @@ class Sample:
 class Run:
     records: list[Record] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    reference: dict[str, str] = field(default_factory=dict)
+    """Prompt -> its greedy answer asked alone, before the traffic."""
 
 
 def _error_body(response: httpx.Response) -> dict[str, Any] | None:
@@ -128,10 +147,39 @@ def _error_body(response: httpx.Response) -> dict[str, Any] | None:
 
 def _chat(args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     prompt = rng.choice(PROMPTS)
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens}
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": 0}
 
 
-async def _stream(client: httpx.AsyncClient, record: Record, body: dict[str, Any], *, drop: bool) -> None:
+def _against_reference(record: Record, body: dict[str, Any], text: str, reference: dict[str, str]) -> None:
+    """Compare a complete answer with what its prompt got alone before the traffic."""
+    expected = reference.get(body["messages"][0]["content"])
+    if expected is None or record.outcome != "completed":
+        return
+    record.compared = True
+    if text != expected:
+        record.differs = True
+        record.detail = f"differs from the answer alone: {text[:60]!r} vs {expected[:60]!r}"
+
+
+async def reference_answers(client: httpx.AsyncClient, args: argparse.Namespace) -> dict[str, str]:
+    """Each prompt's greedy answer, asked alone (one request at a time) before the traffic."""
+    answers = {}
+    for prompt in PROMPTS:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": 0}
+        response = await client.post("/v1/chat/completions", json=body)
+        response.raise_for_status()
+        answers[prompt] = str(response.json()["choices"][0]["message"]["content"])
+    return answers
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    record: Record,
+    body: dict[str, Any],
+    *,
+    drop: bool,
+    reference: dict[str, str] | None = None,
+) -> None:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "specem": {"trace": True}}
     deltas: list[str] = []
     chunks: list[dict[str, Any]] = []
@@ -179,6 +227,8 @@ async def _stream(client: httpx.AsyncClient, record: Record, body: dict[str, Any
         problems.append("a stream meant to be dropped ended before any content")
     record.outcome = "corrupted" if problems else "completed"
     record.detail = "; ".join(problems)
+    if reference is not None:
+        _against_reference(record, body, text, reference)
 
 
 async def _post(client: httpx.AsyncClient, record: Record, body: Any) -> dict[str, Any] | None:
@@ -196,7 +246,9 @@ async def _post(client: httpx.AsyncClient, record: Record, body: Any) -> dict[st
     return None
 
 
-def _check_message(record: Record, data: dict[str, Any]) -> None:
+def _check_message(
+    record: Record, data: dict[str, Any], body: dict[str, Any], reference: dict[str, str] | None = None
+) -> None:
     problems: list[str] = []
     choice = data["choices"][0]
     message = choice["message"]
@@ -225,15 +277,23 @@ def _check_message(record: Record, data: dict[str, Any]) -> None:
             problems.append(f"content is not the schema's JSON: {str(message.get('content'))[:80]!r}")
     record.outcome = "corrupted" if problems else "completed"
     record.detail = "; ".join(problems)
+    if record.kind == "plain" and reference is not None:
+        _against_reference(record, body, str(message.get("content")), reference)
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random, t0: float) -> Record:
+async def one_request(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    rng: random.Random,
+    t0: float,
+    reference: dict[str, str] | None = None,
+) -> Record:
     kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
     record = Record(kind, time.monotonic() - t0)
     started = time.monotonic()
     try:
         if kind == "stream":
-            await _stream(client, record, _chat(args, rng), drop=False)
+            await _stream(client, record, _chat(args, rng), drop=False, reference=reference)
         elif kind == "cancel":
             body = {**_chat(args, rng), "max_tokens": 512, "specem": {"ignore_eos": True}}
             await _stream(client, record, body, drop=True)
@@ -256,7 +316,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, rng: 
                 }
             data = await _post(client, record, body)
             if data is not None:
-                _check_message(record, data)
+                _check_message(record, data, body, reference)
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
         record.outcome = "lost"
         record.detail = f"{type(exc).__name__}: {exc}"[:200]
@@ -292,19 +352,20 @@ async def sampler(server: ServeProcess, run: Run, args: argparse.Namespace, t0: 
 
 async def soak(server: ServeProcess, args: argparse.Namespace) -> Run:
     run = Run()
-    t0 = time.monotonic()
-    end = t0 + args.minutes * 60
     budget = {"left": args.max_requests}
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     timeout = httpx.Timeout(args.client_timeout)
     async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as client:
+        run.reference = await reference_answers(client, args)
+        t0 = time.monotonic()
+        end = t0 + args.minutes * 60
 
         async def worker(index: int) -> None:
             rng = random.Random(args.seed * 1000 + index)
             while time.monotonic() < end and budget["left"] > 0:
                 budget["left"] -= 1
-                run.records.append(await one_request(client, args, rng, t0))
+                run.records.append(await one_request(client, args, rng, t0, run.reference))
 
         sampling = asyncio.create_task(sampler(server, run, args, t0, stop))
         await asyncio.gather(*(worker(i) for i in range(args.concurrency)))
@@ -363,7 +424,9 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     summary = (
-        f"\nlost {result['lost']}, corrupted {result['corrupted']}, RSS growth {result['rss_growth']}, "
+        f"\nlost {result['lost']}, corrupted {result['corrupted']}, errors {result['errors']}, "
+        f"{result['differs']} of {result['compared']} greedy answers differ from the answer alone, "
+        f"RSS growth {result['rss_growth']}, "
         f"sessions left {result['sessions_left']}; {result['requests']} requests over {result['minutes']} min "
         f"at concurrency {result['concurrency']} ({', '.join(result['members'])})\n"
     )
@@ -413,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "lost": outcomes["lost"],
         "corrupted": outcomes["corrupted"],
+        "errors": outcomes["error"],
+        "compared": sum(r.compared for r in run.records),
+        "differs": sum(r.differs for r in run.records),
         "rss_growth": None if growth is None else round(growth, 4),
         "sessions_left": idle.get("sessions_open"),
         "came_back_idle": came_idle,
@@ -420,9 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         "outcomes": {o: outcomes[o] for o in OUTCOMES},
         "by_kind": {k: dict(Counter(r.outcome for r in run.records if r.kind == k)) for k in KINDS},
         "problems": sorted(
-            {f"{r.kind}: {r.outcome}: {r.detail}" for r in run.records if r.outcome in ("lost", "corrupted", "error")}
+            {
+                f"{r.kind}: {r.outcome}: {r.detail}"
+                for r in run.records
+                if r.outcome in ("lost", "corrupted", "error") or r.differs
+            }
         )[:50],
         "windows": table,
+        "reference": run.reference,
         "minutes": args.minutes,
         "window_minutes": args.window_minutes,
         "wall_s": round(wall, 1),
