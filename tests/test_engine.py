@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
 import pytest
 from scripted import ScriptedMember, ScriptedSession
@@ -12,7 +14,9 @@ from specem_core import (
     Candidate,
     CandidateScore,
     ConfigError,
+    Draft,
     InputError,
+    SamplingParams,
     SessionRequest,
     SpecEM,
     SpecEMConfig,
@@ -343,16 +347,33 @@ async def test_async_generate_and_stream_match_sync() -> None:
 
 
 async def test_astream_cancellation_stops_the_run() -> None:
-    a = ScriptedMember("a", drafts=[("w ", False)])
+    gate = threading.Event()  # the second round's draft waits here until the consumer has gone
+    closed = threading.Event()  # set when the run closes its session: it ended
+
+    class GatedSession(ScriptedSession):
+        def draft(self, max_tokens: int, sampling: SamplingParams, **kwargs: Any) -> Draft:
+            if self.round >= 1:
+                assert gate.wait(30)
+            return super().draft(max_tokens, sampling, **kwargs)
+
+        def close(self) -> None:
+            super().close()
+            closed.set()
+
+    class GatedMember(ScriptedMember):
+        def open(self, request: SessionRequest) -> ScriptedSession:
+            self.calls.append("open")
+            return GatedSession(self, request)
+
+    a = GatedMember("a", drafts=[("w ", False)])  # never ends by itself: 10,000 rounds
     engine = SpecEM([a], SpecEMConfig(max_new_tokens=10_000))
     agen = engine.astream("q")
     first = await agen.__anext__()
     assert first.delta == "w "
     await agen.aclose()
-    await asyncio.sleep(0.05)
-    n = a.calls.count("draft")
-    await asyncio.sleep(0.05)
-    assert a.calls.count("draft") == n  # the worker stopped
+    gate.set()  # the draft in flight returns: the run must see it was cancelled, not go on
+    assert await asyncio.to_thread(closed.wait, 30), "the run never closed its session"
+    assert a.calls.count("draft") <= 2  # the first round, and the one in flight when it was cancelled
     assert a.calls[-1] == "close"
 
 

@@ -134,6 +134,53 @@ def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(qualit
     assert summary["humaneval"]["default"]["pass_at_1"] == 0.0
 
 
+def test_right_answers_count_as_right_and_wrong_ones_as_wrong(quality: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known answers through the whole study (engine, records, HumanEval graded in the sandbox,
+    GSM8K by its final number, figures, report): one right and one wrong answer per task must come
+    out as 50 %. A grader that fails every program, or a score stuck at 0 (what the random tiny
+    members above produce anyway), fails here."""
+    from scripted import ScriptedMember
+
+    from specem_core import SpecEM, SpecEMConfig
+
+    tasks = quality.tasks
+    monkeypatch.setattr(tasks, "TASKS", {**tasks.TASKS, "humaneval": 512, "gsm8k": 64})
+    configs = dict(quality.configs.CONFIGS)
+    configs["key"] = {"members": ["smollm2"], "config": {}}
+    monkeypatch.setattr(quality.configs, "CONFIGS", configs)
+    code, maths = tasks.load_rows("humaneval", 2), tasks.load_rows("gsm8k", 2)
+    wrong_number = float(maths[1]["final"].replace(",", "")) + 1
+    answers = {
+        tasks.prompt_of("humaneval", code[0])[1]: f"```python\n{code[0]['prompt']}{code[0]['canonical_solution']}\n```",
+        tasks.prompt_of("humaneval", code[1])[1]: f"```python\n{code[1]['prompt']}    return []\n```",
+        tasks.prompt_of("gsm8k", maths[0])[1]: f"Adding it up, the answer is\n{maths[0]['final']}",
+        tasks.prompt_of("gsm8k", maths[1])[1]: f"Adding it up, the answer is\n{wrong_number:g}",
+    }
+
+    class AnswerKey(ScriptedMember):
+        """Answers each prompt with its key's text in one draft."""
+
+        def open(self, request: Any) -> Any:
+            self.drafts = [(answers[request.messages[-1]["content"]], True)]
+            return super().open(request)
+
+    def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
+        return SpecEM([AnswerKey("key")], SpecEMConfig())
+
+    monkeypatch.setattr(quality.runner, "build_engine", build_engine)
+    quality.run("humaneval", ["key"], limit=2, seed=0)
+    recs = quality.records("humaneval", "key")
+    assert [r["response"] for r in recs] == list(answers.values())[:2]  # the engine passed the answers on
+    assert [(r["passed"], r["error_kind"]) for r in recs] == [(True, "passed"), (False, "failed")]
+    assert quality.measure("humaneval", recs)["pass_at_1"] == 50.0
+    quality.run("gsm8k", ["key"], limit=2, seed=0)
+    assert quality.measure("gsm8k", quality.records("gsm8k", "key"))["accuracy"] == 50.0
+    text = quality.report()
+    assert "| key | 2 | 50.0 |" in text  # HumanEval pass@1 and GSM8K accuracy, each 1 of 2
+    summary = json.loads((tasks.RESULTS / "summary.json").read_text())
+    assert summary["humaneval"]["key"]["pass_at_1"] == 50.0
+
+
 def test_cost_times_several_configurations_side_by_side_against_one_member(quality: Any) -> None:
     text = quality.cost("gsm8k", ["default", "seg5"], "qwen", limit=2)
     assert len(text.splitlines()) == 2

@@ -137,3 +137,43 @@ def test_per_call_timeout_and_retries(tiny_members: list[Any]) -> None:
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         ChatSpecEM(engine=engine).invoke("Hello", timeout=-1)
     assert ChatSpecEM(engine=engine).invoke("Hello", timeout=120, max_tokens=4).content
+
+
+def _flaky_engine() -> SpecEM:
+    """Two scripted members; ``flaky``'s first draft of every request fails, its second works.
+    The engine's own setting retries three times, so only a per-call value can change that."""
+    from scripted import ScriptedMember, ScriptedSession
+
+    class FailsFirstDraft(ScriptedSession):
+        failed = False
+
+        def draft(self, *args: Any, **kwargs: Any) -> Any:
+            if not self.failed:
+                self.failed = True
+                raise ConnectionError("flaky: first draft refused")
+            return super().draft(*args, **kwargs)
+
+    class Flaky(ScriptedMember):
+        def open(self, request: Any) -> Any:
+            self.calls.append("open")
+            return FailsFirstDraft(self, request)
+
+    members = [Flaky("flaky", drafts=[("Hello there.", True)]), ScriptedMember("steady", drafts=[("Hi.", True)])]
+    return SpecEM(members, SpecEMConfig(max_new_tokens=8, member_retries=3))
+
+
+def test_per_call_max_retries_decides_whether_a_failing_member_is_dropped() -> None:
+    from specem_integrations.langchain import ChatSpecEM
+    from specem_integrations.llamaindex import SpecEMLLM
+
+    def dropped(trace: dict[str, Any]) -> list[tuple[str, str]]:
+        return [(e["member"], e["stage"]) for e in trace["excluded"]]
+
+    llm = ChatSpecEM(engine=_flaky_engine())
+    assert dropped(llm.invoke("Hello").response_metadata["specem"]) == []  # the engine's 3 retries
+    assert dropped(llm.invoke("Hello", max_retries=0).response_metadata["specem"]) == [("flaky", "draft")]
+    assert dropped(llm.invoke("Hello", max_retries=1).response_metadata["specem"]) == []
+    index_llm = SpecEMLLM(engine=_flaky_engine())
+    assert dropped(index_llm.complete("Hello").raw) == []
+    assert dropped(index_llm.complete("Hello", max_retries=0).raw) == [("flaky", "draft")]
+    assert dropped(index_llm.complete("Hello", max_retries=1).raw) == []
