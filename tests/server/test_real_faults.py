@@ -8,7 +8,9 @@ row open it; first probe after 5 s, doubling after each failed probe up to 30 s)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 import signal
 import threading
 import time
@@ -190,6 +192,22 @@ def test_all_members_down_is_a_clear_500_and_the_server_keeps_serving(members: d
 
 
 # -- graceful shutdown ---------------------------------------------------------------------------
+FAMILY = "SPECEM_TEST_FAMILY"
+"""An environment variable with a fresh value per server: the server and everything it starts
+inherit it, so they can be found after the server exits (when its children would have been
+reparented and no longer be its children)."""
+
+
+def family(token: str) -> list[psutil.Process]:
+    """The live processes (zombies aside) whose environment carries ``token``."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(FAMILY) == token and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
+
+
 class _Stream(threading.Thread):
     """One streamed request read to its end in a thread: its data lines, and when it ended."""
 
@@ -220,6 +238,7 @@ class _Stream(threading.Thread):
 def _shutdown_with_streams(shutdown_timeout: int, max_tokens: int) -> tuple[list[_Stream], int, bool]:
     """8 streams open, then SIGTERM. Returns the streams, the exit status, and whether a new
     connection was refused while some stream was still open."""
+    token = secrets.token_hex(8)
     server = start_serve(
         [
             "--model",
@@ -233,7 +252,8 @@ def _shutdown_with_streams(shutdown_timeout: int, max_tokens: int) -> tuple[list
             "--shutdown-timeout",
             str(shutdown_timeout),
             "--no-access-log",
-        ]
+        ],
+        env={FAMILY: token},
     )
     try:
         streams = [_Stream(f"{server.base_url}/chat/completions", max_tokens) for _ in range(8)]
@@ -242,8 +262,7 @@ def _shutdown_with_streams(shutdown_timeout: int, max_tokens: int) -> tuple[list
         for s in streams:
             assert s.first.wait(240), "a stream never started"
         assert all(s.error is None and not s.ended for s in streams)
-        process = psutil.Process(server.pid)
-        family = process.children(recursive=True)
+        assert server.pid in [p.pid for p in family(token)]  # the search finds what it looks for
         server.process.send_signal(signal.SIGTERM)
         refused_while_streaming = False
         deadline = time.monotonic() + 30
@@ -258,9 +277,14 @@ def _shutdown_with_streams(shutdown_timeout: int, max_tokens: int) -> tuple[list
             time.sleep(0.05)
         for s in streams:
             s.join(timeout=shutdown_timeout + 60)
-        code = server.process.wait(timeout=shutdown_timeout + 60)
-        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family), family
-        assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
+        code = server.process.wait(timeout=shutdown_timeout + 60)  # it exits by itself, or this raises
+        # nothing it started outlives it, reparented or not (polled: a killed process takes a moment)
+        deadline = time.monotonic() + 10
+        while (left := family(token)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == [], [(p.pid, p.cmdline()) for p in left]
+        with pytest.raises(httpx.ConnectError):  # and its port is closed
+            httpx.get(f"{server.url}/health", timeout=2)
         return streams, code, refused_while_streaming
     finally:
         server.cleanup()
