@@ -143,21 +143,25 @@ class Context:
         there (recurrent or hybrid memory): nothing was removed."""
         return bool(self._lib.llama_memory_seq_rm(self._mem, seq, length, -1))
 
-    def save_sequence(self) -> bytes:
-        """Sequence 0's KV rows as bytes (``llama_state_seq_get_data``): a prefix another context
-        can load while this one serves its own request."""
+    def save_sequence(self) -> Any:
+        """Sequence 0's KV rows as a byte array (``llama_state_seq_get_data``, one copy into an
+        uninitialised numpy buffer): a prefix another context can load while this one serves its
+        own request."""
+        import numpy as np
+
         lib = self._lib
         size = int(lib.llama_state_seq_get_size(self._ctx, 0))
-        buf = (ctypes.c_uint8 * size)()
-        written = int(lib.llama_state_seq_get_data(self._ctx, buf, size, 0))
-        return ctypes.string_at(buf, written)
+        buf = np.empty(size, dtype=np.uint8)
+        pointer = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        written = int(lib.llama_state_seq_get_data(self._ctx, pointer, size, 0))
+        return buf[:written]
 
-    def load_sequence(self, data: bytes) -> bool:
-        """Fill sequence 0 of this (empty) context from :meth:`save_sequence`'s bytes; False when
-        llama.cpp refuses them (nothing is loaded then). The rows land in cells 0.. in position
+    def load_sequence(self, data: Any) -> bool:
+        """Fill sequence 0 of this (empty) context from :meth:`save_sequence`'s array; False when
+        llama.cpp refuses it (nothing is loaded then). The rows land in cells 0.. in position
         order, so the session's cell-order rule holds."""
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(data), 0)) == 0:
+        pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if int(self._lib.llama_state_seq_set_data(self._ctx, pointer, int(data.size), 0)) == 0:
             self.reset()
             return False
         return True

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from specem_core.backends._local import (
     DEFAULT_PREFIX_CACHE_TOKENS,
@@ -36,6 +37,15 @@ from specem_core.backends.llama_cpp._binding import (
 )
 from specem_core.errors import ModelNotFoundError
 
+KV_BUDGET_BYTES = 256 * 2**20
+"""The KV-cache memory one context may take by default (256 MiB): the default ``n_ctx`` is the
+model's training context, capped at the largest power of two of cells whose f16 K and V rows fit
+this budget, and never below :data:`~specem_core.backends.llama_cpp._binding.DEFAULT_N_CTX`
+(4096). Each context holds its whole buffer (up to ``max_contexts`` of them per model, idle ones
+kept for the prefix cache), so the budget is per context. Qwen2.5-1.5B (28 KiB a cell): 8192
+cells, 224 MiB; Qwen2.5-0.5B (12 KiB): 16384 cells, 192 MiB; SmolLM2-135M (23 KiB, trained on
+8192): 8192 cells, 184 MiB. Pass ``n_ctx`` for more (``member_kwargs={"n_ctx": 32768}``)."""
+
 SNAPSHOT_MIN_TOKENS = 256
 """Finished prefixes at least this long are also copied to host memory (a few ms per thousand
 tokens), so that concurrent requests sharing them (a served system prompt) each load them."""
@@ -47,7 +57,9 @@ class LlamaCppModel:
     Args:
         path: the ``.gguf`` file.
         n_ctx: KV cells of each context, i.e. the tokens one request may use (prompt + answer +
-            one round of candidates); default 4096, at most the model's training context.
+            one round of candidates); at most the model's training context. Default: the training
+            context capped by the per-context KV budget :data:`KV_BUDGET_BYTES` (see
+            :func:`default_n_ctx`; 8192 for Qwen2.5-1.5B, 16384 for Qwen2.5-0.5B).
         n_threads: CPU threads per decode (default: the CPUs available, at most 8).
         n_batch: most tokens per ``llama_decode`` call (longer inputs are split).
         max_contexts: concurrent sessions (each holds one context; more wait for a free one).
@@ -91,7 +103,11 @@ class LlamaCppModel:
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(model))
         self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-        self.n_ctx = min(n_ctx or DEFAULT_N_CTX, self.n_ctx_train) if self.n_ctx_train else (n_ctx or DEFAULT_N_CTX)
+        self.kv_bytes_per_token = self._kv_bytes_per_token()
+        """f16 K and V bytes of one KV cell, all layers (from the GGUF's shapes; 0 when unknown)."""
+        if n_ctx is None:
+            n_ctx = default_n_ctx(self.n_ctx_train, self.kv_bytes_per_token)
+        self.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train else n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
         self.max_contexts = max(1, max_contexts)
@@ -102,10 +118,12 @@ class LlamaCppModel:
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
         self.prefixes: PrefixStore[Context] = PrefixStore(self.prefix_cache_tokens, self._free_context)
         """Idle contexts holding a finished request's rows, by the token ids they hold."""
-        self.snapshots: PrefixStore[bytes] = PrefixStore(self.prefix_cache_tokens)
+        self.snapshots: PrefixStore[Any] = PrefixStore(self.prefix_cache_tokens)
         """Copies of finished requests' rows in host memory (``llama_state_seq_get_data``): what
         concurrent requests sharing a prefix load into contexts of their own, while the context
         that holds the rows serves one of them."""
+        self._copying: set[threading.Thread] = set()
+        """Background copies in progress (:meth:`settle` waits for them)."""
         self._created = 0
         self._in_use = 0
         self.peak_contexts_in_use = 0
@@ -244,12 +262,39 @@ class LlamaCppModel:
                 context.close()
             elif not cached:
                 self._pool.append(context)
+        if cached and len(context.held) >= SNAPSHOT_MIN_TOKENS:
+            # worth a copy for concurrent requests: made off the request's path (a few tens of ms
+            # per thousand tokens); the context joins the cache once it is copied
+            copier = threading.Thread(target=self._copy_then_cache, args=(context,), daemon=True)
+            with self._pool_cond:
+                self._copying.add(copier)
+            copier.start()
+            return
         if cached:
-            if len(context.held) >= SNAPSHOT_MIN_TOKENS:  # worth a copy for concurrent requests
-                self.snapshots.add(context.held, context.save_sequence())
             self.prefixes.add(context.held, context)  # may free older contexts (_free_context)
         with self._pool_cond:
             self._pool_cond.notify()
+
+    def _copy_then_cache(self, context: Context) -> None:
+        try:
+            self.snapshots.add(context.held, context.save_sequence())
+        finally:
+            closed = self._closed
+            if closed:
+                context.close()
+            else:
+                self.prefixes.add(context.held, context)
+            with self._pool_cond:
+                self._copying.discard(threading.current_thread())
+                self._pool_cond.notify_all()
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until finished requests' rows are in the prefix cache (long prefixes are copied to
+        host memory in the background first)."""
+        deadline = time.monotonic() + timeout
+        with self._pool_cond:
+            while self._copying and time.monotonic() < deadline:
+                self._pool_cond.wait(deadline - time.monotonic())
 
     def _free_context(self, context: Context) -> None:
         """Evicted from the prefix cache: free its memory (a new context is made when needed)."""
@@ -264,6 +309,26 @@ class LlamaCppModel:
         self.snapshots.clear()
 
     # -- metadata and vocabulary ------------------------------------------------------------
+    def _kv_bytes_per_token(self) -> int:
+        """``n_layer × (n_embd_k_gqa + n_embd_v_gqa) × 2`` bytes (f16 cache) from the GGUF's
+        ``<arch>.*`` keys; 0 when they are missing."""
+        arch = self._meta("general.architecture") or ""
+
+        def num(key: str) -> int:
+            value = self._meta(f"{arch}.{key}")
+            try:
+                return int(value) if value is not None else 0
+            except ValueError:
+                return 0
+
+        n_layer, n_embd, n_head = num("block_count"), num("embedding_length"), num("attention.head_count")
+        n_head_kv = num("attention.head_count_kv") or n_head
+        if not (n_layer and n_embd and n_head):
+            return 0
+        k_len = num("attention.key_length") or n_embd // n_head
+        v_len = num("attention.value_length") or n_embd // n_head
+        return n_layer * n_head_kv * (k_len + v_len) * 2
+
     def _meta(self, key: str) -> str | None:
         size = 1 << 16
         for _ in range(2):
@@ -335,6 +400,7 @@ class LlamaCppModel:
 
     def close(self) -> None:
         """Free the pooled contexts and the weights (contexts still in use are freed on release)."""
+        self.settle(timeout=10.0)
         with self._pool_cond:
             if self._closed:
                 return
@@ -351,6 +417,19 @@ class LlamaCppModel:
     def __del__(self) -> None:  # pragma: no cover - depends on garbage collection
         with contextlib.suppress(Exception):
             self.close()
+
+
+def default_n_ctx(n_ctx_train: int, kv_bytes_per_token: int, budget: int = KV_BUDGET_BYTES) -> int:
+    """The default context of a model: its training context (``n_ctx_train``; 0: unknown), capped
+    at the largest power of two of cells whose KV rows fit ``budget`` bytes, and at least
+    :data:`~specem_core.backends.llama_cpp._binding.DEFAULT_N_CTX` (or the training context when
+    that is smaller)."""
+    cells = DEFAULT_N_CTX
+    if kv_bytes_per_token > 0:
+        fit = budget // kv_bytes_per_token
+        if fit >= DEFAULT_N_CTX:
+            cells = 1 << (fit.bit_length() - 1)
+    return min(cells, n_ctx_train) if n_ctx_train > 0 else cells
 
 
 def requantize(
