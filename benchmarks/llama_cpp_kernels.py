@@ -42,10 +42,10 @@ class Probe:
     def __init__(self, path: Path, threads: int) -> None:
         import numpy as np
 
-        from specem_core.backends.llama_cpp import _lib
+        from specem_core.backends.llama_cpp._binding import load_library
 
         self.np = np
-        self.lib = lib = _lib()
+        self.lib = lib = load_library()
         self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
         vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
@@ -146,7 +146,8 @@ class Probe:
 
 
 def main() -> None:
-    from specem_core.backends.llama_cpp import _lib, default_threads, requantize
+    from specem_core.backends.llama_cpp import default_threads, requantize
+    from specem_core.backends.llama_cpp._binding import load_library
     from specem_core.models import find_packaged, packaged_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,7 +157,7 @@ def main() -> None:
     parser.add_argument("--requantize", action="store_true", help="also measure each model requantized to Q4_1")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS} (_q4_1 with --requantize)")
     args = parser.parse_args()
-    lib = _lib()
+    lib = load_library()
     modes = {"auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO, "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}
     results: dict[str, Any] = {"threads": args.threads, "models": {}}
     print(

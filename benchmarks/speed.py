@@ -40,7 +40,7 @@ def plain_generate_seconds(member: Any, messages: list[dict[str, str]], tokens: 
     from specem_core.backends.base import SessionRequest
 
     if hasattr(member.model, "n_ctx"):  # llama.cpp
-        from specem_core.backends.llama_cpp import generate_greedy
+        from specem_core.testing.llama_cpp_diagnostics import generate_greedy
 
         prompt = member.encode_prompt(SessionRequest(messages))
         start = time.perf_counter()
@@ -77,14 +77,14 @@ def block_costs(member: Any, messages: list[dict[str, str]], block: int, repeats
     if not hasattr(member.model, "n_ctx"):
         return None
     from specem_core.backends.base import SessionRequest
-    from specem_core.backends.llama_cpp import _Work
+    from specem_core.backends.llama_cpp._binding import Work
 
     model = member.model
     prompt = member.encode_prompt(SessionRequest(messages))
     n = len(prompt)
     ctx = model.acquire_context()
     try:
-        ctx.decode(_Work(prompt, list(range(n)), [0] * n, [None] * (n - 1) + [-1]))
+        ctx.decode(Work(prompt, list(range(n)), [0] * n, [None] * (n - 1) + [-1]))
         tokens = (prompt * (block // n + 1))[:block]
 
         def ms(size: int, rows: bool) -> float:
@@ -92,7 +92,7 @@ def block_costs(member: Any, messages: list[dict[str, str]], block: int, repeats
             for _ in range(repeats):
                 outputs: list[int | None] = [-1] * size if rows else [None] * size
                 start = time.perf_counter()
-                ctx.decode(_Work(tokens[:size], list(range(n, n + size)), [0] * size, outputs))
+                ctx.decode(Work(tokens[:size], list(range(n, n + size)), [0] * size, outputs))
                 times.append(1000 * (time.perf_counter() - start))
                 ctx.truncate(0, n)
             return median(times)
