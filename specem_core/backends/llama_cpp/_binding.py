@@ -125,6 +125,8 @@ class Context:
         """Cells (an upper bound) retired to the ballast sequence since the context was last cleared."""
         self.held: list[int] = []
         """Token ids of sequence 0's rows while the context waits in the prefix cache."""
+        self.copying = threading.Lock()
+        """Held while a background copy reads sequence 0's rows (see the model's prefix cache)."""
 
     def reset(self) -> None:
         """Forget every KV row (the context goes back to the pool)."""

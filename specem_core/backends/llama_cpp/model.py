@@ -170,6 +170,9 @@ class LlamaCppModel:
         """
         deadline = time.monotonic() + self.wait_seconds
         wanted = max(1, math.ceil(MIN_SHARED_FRACTION * len(prompt)))
+        # the context is chosen under the pool's lock; its rows are cut or loaded after it
+        taken: Context | None = None
+        reused = 0
         with self._pool_cond:
             while True:
                 if self._closed:
@@ -177,24 +180,22 @@ class LlamaCppModel:
                 if prompt and self.prefix_cache:
                     match = self.prefixes.find(prompt, min_reused=wanted, take=True)
                     if match is not None:
-                        self._take()
-                        return self._reuse(match.entry.value, match.reused, len(prompt))
+                        taken, reused = match.entry.value, match.reused
+                        break
                 if self._pool:
-                    self._take()
-                    return self._load_snapshot(self._pool.pop(), prompt, wanted)
+                    taken = self._pool.pop()
+                    break
                 if self._created < self.max_contexts:
                     self._created += 1
-                    self._take()
                     break
                 match = self.prefixes.find(prompt, take=True) if prompt else None
                 if match is not None:  # a shorter match still beats clearing a context
-                    self._take()
-                    return self._reuse(match.entry.value, match.reused, len(prompt))
+                    taken, reused = match.entry.value, match.reused
+                    break
                 oldest = self.prefixes.pop_least_recent()
                 if oldest is not None:
-                    self._take()
-                    oldest.value.reset()
-                    return oldest.value, 0
+                    taken = oldest.value
+                    break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LlamaCppError(
@@ -202,6 +203,14 @@ class LlamaCppModel:
                         f"for {self.wait_seconds:.0f}s (raise max_contexts)"
                     )
                 self._pool_cond.wait(left)
+            self._take()
+        if taken is not None:
+            with taken.copying:  # a background copy of its rows may still be reading them
+                pass
+            if taken.held and reused:
+                return self._reuse(taken, reused, len(prompt))
+            taken.reset()
+            return self._load_snapshot(taken, prompt, wanted)
         try:
             context = Context(self)
         except BaseException:
@@ -262,28 +271,28 @@ class LlamaCppModel:
                 context.close()
             elif not cached:
                 self._pool.append(context)
-        if cached and len(context.held) >= SNAPSHOT_MIN_TOKENS:
-            # worth a copy for concurrent requests: made off the request's path (a few tens of ms
-            # per thousand tokens); the context joins the cache once it is copied
-            copier = threading.Thread(target=self._copy_then_cache, args=(context,), daemon=True)
+        if not cached:
             with self._pool_cond:
-                self._copying.add(copier)
-            copier.start()
+                self._pool_cond.notify()
             return
-        if cached:
-            self.prefixes.add(context.held, context)  # may free older contexts (_free_context)
+        copy = SNAPSHOT_MIN_TOKENS <= len(context.held) <= self.prefix_cache_tokens  # (longer: not kept)
+        if copy:  # long prefixes are copied to host memory too, for concurrent requests, off the
+            # request's path; a request that takes the context meanwhile waits for the copy
+            context.copying.acquire()
+        self.prefixes.add(context.held, context)  # may free older contexts (_free_context)
         with self._pool_cond:
+            if copy:
+                held = list(context.held)
+                copier = threading.Thread(target=self._copy_rows, args=(context, held), daemon=True)
+                self._copying.add(copier)
+                copier.start()
             self._pool_cond.notify()
 
-    def _copy_then_cache(self, context: Context) -> None:
+    def _copy_rows(self, context: Context, held: list[int]) -> None:
         try:
-            self.snapshots.add(context.held, context.save_sequence())
+            self.snapshots.add(held, context.save_sequence())
         finally:
-            closed = self._closed
-            if closed:
-                context.close()
-            else:
-                self.prefixes.add(context.held, context)
+            context.copying.release()
             with self._pool_cond:
                 self._copying.discard(threading.current_thread())
                 self._pool_cond.notify_all()
@@ -298,7 +307,8 @@ class LlamaCppModel:
 
     def _free_context(self, context: Context) -> None:
         """Evicted from the prefix cache: free its memory (a new context is made when needed)."""
-        context.close()
+        with context.copying:
+            context.close()
         with self._pool_cond:
             self._created -= 1
             self._pool_cond.notify()
