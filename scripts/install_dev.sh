@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[all,dev]"
+.venv/bin/python -m pip install -q -e ".[all,agents,clients,embeddings,dev]"
 # llama-cpp-python[server]: the real OpenAI-compatible server the HTTP tests run on loopback (the
 # cached portable wheel from install.sh, plus the server's dependencies).
 PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh --server

@@ -3,7 +3,8 @@
 Each member uses its own chat template (``tokenizer.chat_template``), with tools passed through
 ``tools=`` when the template uses them. Members without a template (base models such as
 Gemma-3-270M) get the plain format below; templates that ignore tools get the tool schemas and
-the canonical call syntax in a system message. Both fallbacks are documented in the README.
+the canonical call syntax in a system message. Both fallbacks are documented in
+docs/guides/agents-and-tools.md ("How tool calls work").
 """
 
 from __future__ import annotations

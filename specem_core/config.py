@@ -18,6 +18,10 @@ NonPositiveRule = Literal["softmax", "raw"]
 HedgeDecay = Literal["sqrt", "inverse"]
 SelfVote = Literal["keep", "exclude"]
 
+MAX_TEMPERATURE = 2.0
+"""The highest drafting temperature any surface accepts (OpenAI's range is [0, 2]; above it the
+members draft noise)."""
+
 _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "scoring": "mean_logit",
     "normalization": "sum",
@@ -58,7 +62,8 @@ class SpecEMConfig:
     max_new_tokens: int = 256
     """Cap on the response, counted in the first member's tokens."""
     temperature: float = 0.0
-    """Drafting temperature; 0 means greedy (deterministic)."""
+    """Drafting temperature in [0, 2] (OpenAI's range, the same on every surface); 0 means greedy
+    (deterministic)."""
     top_p: float = 1.0
     """Nucleus sampling mass for drafting (ignored when greedy)."""
     top_k: int = 0
@@ -175,6 +180,8 @@ class SpecEMConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
         _finite_at_least("temperature", self.temperature, 0.0)
+        if self.temperature > MAX_TEMPERATURE:
+            raise ConfigError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature!r}")
         _finite_at_least("hedge_eta0", self.hedge_eta0, 0.0)
         _finite_at_least("repetition_penalty", self.repetition_penalty, 0.0, strict=True)
         _finite_at_least("softmax_temperature", self.softmax_temperature, 0.0, strict=True)

@@ -121,8 +121,8 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset(
             name="quality",
-            description="Qwen2.5-Coder-1.5B + 0.5B with the study's recommended (v7) settings, drafts decoded as "
-            "each member alone decodes them, and a prior measured on labelled dev examples",
+            description="Qwen2.5-Coder-1.5B + 0.5B with the preset settings (the study's v7 with a two-segment "
+            "opening), drafts decoded as each member alone decodes them, and a prior measured on labelled dev examples",
             members=("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
             config=_RECOMMENDED,
             prior="quality",

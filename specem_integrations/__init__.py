@@ -1,7 +1,9 @@
 """Thin framework adapters over :mod:`specem_core` (no algorithm lives here).
 
-* :mod:`specem_integrations.langchain` — ``ChatSpecEM`` (needs ``specem[langchain]``).
-* :mod:`specem_integrations.llamaindex` — the LlamaIndex LLM (needs ``specem[llamaindex]``).
+* :mod:`specem_integrations.langchain` — ``ChatSpecEM`` (the ``langchain`` extra).
+* :mod:`specem_integrations.llamaindex` — the LlamaIndex LLM (the ``llamaindex`` extra).
 
-Each subpackage imports its framework lazily, so importing this package costs nothing.
+Install an extra with ``.venv/bin/pip install -e '.[langchain]'`` after ``scripts/install.sh``
+(docs/guides/installation.md, "Extras"). Each subpackage imports its framework lazily, so
+importing this package costs nothing.
 """

@@ -573,7 +573,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from specem_integrations.server import bind_socket, create_app, run_server
         from specem_integrations.server.run import socket_url
     except ImportError as exc:
-        raise SpecEMError(f"specem serve needs the server extra: pip install 'specem[server]' ({exc})") from None
+        raise SpecEMError(f"specem serve needs the server extra: pip install -e '.[server]' ({exc})") from None
     if args.max_concurrency < 1:
         raise SpecEMError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.queue < 0:

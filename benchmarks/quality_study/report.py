@@ -137,7 +137,7 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (task, figs) in zip(axes[0], panels, strict=True):
-        metric = "prompt_level_strict" if task.startswith("ifeval") else "accuracy"
+        metric = HEADLINE.get(task.split("-")[0], "accuracy")  # gsm8k-subset: accuracy; humaneval: pass@1
         names = list(figs)
         values = [figs[n].get(metric, 0.0) for n in names]
         colors = ["#999999" if n in ("smollm2", "qwen") else "#3b6fb6" for n in names]

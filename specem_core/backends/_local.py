@@ -321,6 +321,11 @@ class LocalVocabulary:
         return bool(self.__dict__["_concatenates"])
 
 
+def _larger_window(prompt_tokens: int) -> int:
+    """A context window that holds the prompt and a typical answer (a power of two, for the message)."""
+    return 1 << max(12, (prompt_tokens + 1024 - 1).bit_length())
+
+
 class LocalSession(MemberSession):
     """The request state both local backends keep, and what they do the same way with it.
 
@@ -342,7 +347,10 @@ class LocalSession(MemberSession):
         if window and len(self._prompt_ids) + 2 > window:
             raise ContextWindowError(
                 f"the prompt is {len(self._prompt_ids)} tokens for member {member.name!r}, "
-                f"whose context window is {window}"
+                f"whose context window is {window}; shorten the conversation, or raise the window of a "
+                f"llama.cpp member with n_ctx: member_kwargs={{'n_ctx': {_larger_window(len(self._prompt_ids))}}} "
+                "(SpecEM.from_preset, ChatSpecEM, SpecEMLLM) or load_member(..., n_ctx=...); the CLI has no "
+                "option for it (a transformers member's window is its model's maximum)"
             )
         self._text = ""
         self._resp_ids: list[int] = []

@@ -2,7 +2,7 @@
 
 :class:`SentenceTransformerEmbeddings` embeds with a local sentence-transformers model (offline RAG).
 
-Requires ``langchain-core`` (``pip install 'specem[langchain]'``).
+Requires ``langchain-core`` (``.venv/bin/pip install -e '.[langchain]'``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 try:
     import langchain_core  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("specem_integrations.langchain needs langchain-core: pip install 'specem[langchain]'") from exc
+    raise ImportError(
+        "specem_integrations.langchain needs langchain-core: .venv/bin/pip install -e '.[langchain]'"
+    ) from exc
 
 from specem_integrations.langchain.chat_models import ChatSpecEM
 from specem_integrations.langchain.embeddings import SentenceTransformerEmbeddings

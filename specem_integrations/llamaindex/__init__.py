@@ -5,7 +5,7 @@ Example:
     >>> from specem_integrations.llamaindex import SpecEMLLM
     >>> Settings.llm = SpecEMLLM(max_new_tokens=64)
 
-Needs ``pip install 'specem[llamaindex]'`` (llama-index-core 0.14).
+Needs ``.venv/bin/pip install -e '.[llamaindex]'`` (llama-index-core 0.14).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ try:
     import llama_index.core  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "specem_integrations.llamaindex needs llama-index-core: pip install 'specem[llamaindex]'"
+        "specem_integrations.llamaindex needs llama-index-core: .venv/bin/pip install -e '.[llamaindex]'"
     ) from exc
 
 from specem_integrations.llamaindex.base import SpecEMLLM

@@ -72,7 +72,7 @@ _KNOBS = (
 """SpecEMLLM fields that are :class:`SpecEMConfig` fields of the same name."""
 _SURFACE_NAMES = surface_names(["max_tokens", "max_retries"])
 """SpecEMLLM's fields named as LlamaIndex names them, by the SpecEMConfig field they set."""
-_FIELD_ALIASES = {**_SURFACE_NAMES, "model_name": "model"}
+_FIELD_ALIASES = {**_SURFACE_NAMES, "stop_sequences": "stop", "model_name": "model"}
 """SpecEMConfig / older spellings accepted for SpecEMLLM's fields (LlamaIndex's names win)."""
 _FIXED_PER_INSTANCE = frozenset({"members", "preset", "model", "engine", "engine_options", "backend", "member_kwargs"})
 """Arguments that choose the ensemble: set on the instance, never per call."""
@@ -171,7 +171,7 @@ class SpecEMLLM(FunctionCallingLLM):
             "name; None: the preset's; reported as num_output)."
         ),
     )
-    temperature: float | None = Field(default=None, ge=0.0, description="Drafting temperature (0 = greedy).")
+    temperature: float | None = Field(default=None, ge=0.0, description="Drafting temperature in [0, 2] (0 = greedy).")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus mass of sampled drafting.")
     top_k: int | None = Field(default=None, ge=0, description="Top-k of sampled drafting (0: off).")
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="HF-style repetition penalty.")

@@ -1,4 +1,5 @@
-"""SpecEM as an OpenAI-compatible HTTP server (``specem serve``; ``pip install 'specem[server]'``).
+"""SpecEM as an OpenAI-compatible HTTP server (``specem serve``; ``.venv/bin/pip install -e '.[server]'``
+after ``scripts/install.sh``).
 
     from specem_core import SpecEM, load_member
     from specem_integrations.server import create_app
@@ -12,7 +13,9 @@ Endpoints: ``POST /v1/chat/completions`` (JSON and SSE streaming, tools, ``respo
 
 from __future__ import annotations
 
+from specem_integrations.server._errors import APIError
+from specem_integrations.server._protocol import SpecEMOptions
 from specem_integrations.server.app import create_app
 from specem_integrations.server.run import bind_socket, run_server
 
-__all__ = ["bind_socket", "create_app", "run_server"]
+__all__ = ["APIError", "SpecEMOptions", "bind_socket", "create_app", "run_server"]

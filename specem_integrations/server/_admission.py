@@ -97,18 +97,27 @@ class Admission:
 class Stats:
     """Request counters (thread-safe; read by ``/health``)."""
 
+    received: int = 0
+    """Requests counted here: every ``POST /v1/chat/completions``, and a ``/v1/models`` request
+    refused for its key. Each one ends in exactly one of the outcome counters below, so with
+    nothing running or queued ``received == completed + cancelled + timed_out + rejected + failed +
+    invalid`` (and, at any time, the difference is ``requests_in_flight + requests_queued`` plus
+    requests still being read)."""
     started: int = 0
-    """Requests that reached the ensemble (admitted)."""
+    """Requests admitted to a slot (not an outcome: each also ends in one of the counters below;
+    a request refused before a slot, 429 or 4xx, is never started)."""
     completed: int = 0
     cancelled: int = 0
-    """The client went away before the answer was complete."""
+    """The client went away before the answer was complete (while queued, too)."""
     timed_out: int = 0
+    """The request timeout ran out (while queued, too)."""
     rejected: int = 0
-    """Answered 429 (queue full)."""
+    """Answered 429 (queue full): never started."""
     failed: int = 0
     """Answered 5xx after admission."""
     invalid: int = 0
-    """Answered 4xx (bad request, auth, unknown model) before admission."""
+    """Answered 4xx: before admission (bad request, auth, unknown model), or after it when the
+    engine refuses the input (``context_length_exceeded``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -120,6 +129,7 @@ class Stats:
         """The counters as plain JSON."""
         with self._lock:
             return {
+                "received": self.received,
                 "started": self.started,
                 "completed": self.completed,
                 "cancelled": self.cancelled,

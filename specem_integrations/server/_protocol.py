@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specem_core.config import SpecEMConfig
+from specem_core.config import MAX_TEMPERATURE, SpecEMConfig
 from specem_core.errors import ConfigError, InputError
 from specem_core.tools import OutputPlan, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, ToolCall, validate_messages
@@ -122,6 +122,10 @@ class ChatCompletionRequest(_Strict):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_sequences: str | list[str] | None = None
+    """The other spelling of ``stop`` (:data:`specem_core.vocabulary.ALIASES`); not both."""
+    max_retries: int | None = None
+    """Retries of a failing member call (``SpecEMConfig.member_retries``; also ``specem.member_retries``)."""
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -349,9 +353,13 @@ def build_call(
     put(answer_cap, getattr(req, cap), cap)
     if answer_cap in overrides and overrides[answer_cap] < 1:
         raise invalid_request(f"{cap} must be at least 1, got {overrides[answer_cap]}.", cap, "invalid_value")
-    if req.temperature is not None and not (0.0 <= req.temperature <= 2.0 and math.isfinite(req.temperature)):
+    if req.temperature is not None and not (
+        0.0 <= req.temperature <= MAX_TEMPERATURE and math.isfinite(req.temperature)
+    ):
         raise invalid_request(
-            f"temperature must be between 0 and 2, got {req.temperature}.", "temperature", "invalid_value"
+            f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {req.temperature}.",
+            "temperature",
+            "invalid_value",
         )
     if req.top_p is not None and not (0.0 < req.top_p <= 1.0):
         raise invalid_request(f"top_p must be in (0, 1], got {req.top_p}.", "top_p", "invalid_value")
@@ -360,12 +368,17 @@ def build_call(
     if req.seed is not None and not -(2**62) < req.seed < 2**62:
         raise invalid_request(f"seed must be between -2**62 and 2**62, got {req.seed}.", "seed", "invalid_value")
     put("seed", req.seed, "seed")
-    if req.stop is not None:
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if req.stop is not None and req.stop_sequences is not None:
+        raise invalid_request("give stop or stop_sequences, not both.", "stop_sequences", "invalid_value")
+    stop_param = "stop" if req.stop is not None else "stop_sequences"
+    stop = req.stop if req.stop is not None else req.stop_sequences
+    if stop is not None:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not s for s in stops):
-            raise invalid_request("stop strings must be non-empty.", "stop", "invalid_value")
+            raise invalid_request("stop strings must be non-empty.", stop_param, "invalid_value")
         if stops:
-            put("stop", (*config.stop, *stops), "stop")
+            put("stop", (*config.stop, *stops), stop_param)
+    put("member_retries", req.max_retries, "max_retries")
     options = req.specem or SpecEMOptions()
     if options.preset is not None:
         for key, value in _preset_settings(options.preset, members).items():

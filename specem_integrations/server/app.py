@@ -271,19 +271,20 @@ class _Server:
         return f"<specem server model={self.model_name!r} members={self.member_names} auth={auth}>"
 
     # -- helpers -------------------------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
-        """Check the bearer key (constant-time); nothing about the key given is echoed or logged."""
+    def authorize(self, request: Request, *, received: bool = False) -> None:
+        """Check the bearer key (constant-time); nothing about the key given is echoed or logged.
+        A refusal counts as ``invalid`` (and as ``received`` unless the caller counted it already)."""
         if self._key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        missing = scheme.lower() != "bearer" or not token
+        if missing or not hmac.compare_digest(token.encode(), self._key):
+            if not received:
+                self.stats.add("received")
             self.stats.add("invalid")
-            raise unauthorized(missing=True)
-        if not hmac.compare_digest(token.encode(), self._key):
-            self.stats.add("invalid")
-            raise unauthorized(missing=False)
+            raise unauthorized(missing=missing)
 
     async def read_json(self, request: Request) -> object:
         """The body as JSON (400 when it does not parse, 413 when it is too large)."""
@@ -471,7 +472,8 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions`` (JSON or SSE)."""
-        self.authorize(request)
+        self.stats.add("received")
+        self.authorize(request, received=True)
         try:
             try:
                 body = await self.read_json(request)
