@@ -165,7 +165,7 @@ def peer_asker(model: str) -> Any:
         seconds = time.perf_counter() - start
         text = "".join(parts)
         completion = len(llm.tokenize(text.encode(), add_bos=False, special=False)) if text else 0
-        return {"seconds": seconds, "first_segment": first, "completion_tokens": completion}, text
+        return {"seconds": seconds, "first_segment": first, "completion_tokens": completion, "text": text}, text
 
     return ask
 
@@ -193,6 +193,7 @@ def specem_asker(row: str, cache: bool) -> Any:
             "first_segment": first if first is not None else result.first_segment_seconds,
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
+            "text": result.text,
             "members": {
                 u.member: {"prompt": u.prompt_tokens, "cached": u.cached_tokens, "prefilled": u.prefilled_tokens}
                 for u in usage.per_member
@@ -300,9 +301,31 @@ def run_serve(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- memory --------------------------------------------------------------------------------------
+def run_memory(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """What the cache holds on to: ``--conversations`` distinct conversations, one after another
+    (each its own ~300-token system prompt), on the ``--serve-preset`` engine; RSS after each."""
+    from specem_core import SpecEM
+
+    kwargs: dict[str, Any] = {"member_kwargs": {"prefix_cache": cache}, "backend": "llamacpp"}
+    members = ["smollm2"] if args.smoke else None
+    preset = args.serve_preset
+    engine = SpecEM.from_preset(preset, members=members, **kwargs) if members else SpecEM.from_preset(preset, **kwargs)
+    loaded = rss_mib()
+    after = []
+    for n in range(args.conversations):
+        lines = context_document(10 + n).splitlines()[n:]
+        system = f"Conversation {n}. Answer briefly.\n\n" + "\n".join(lines)
+        engine.generate([{"role": "system", "content": system}, {"role": "user", "content": "Hi."}], max_new_tokens=4)
+        after.append(round(rss_mib(), 1))
+    return {"row": f"memory-{preset}", "cache": cache, "rss_loaded_mib": loaded, "rss_after_mib": after}
+
+
 # -- driver --------------------------------------------------------------------------------------
 def child(args: argparse.Namespace) -> None:
-    if args.row.startswith("serve"):
+    if args.row.startswith("memory"):
+        out = run_memory(args.cache == "on", args)
+    elif args.row.startswith("serve"):
         out = run_serve(args.cache == "on", args)
     else:
         out = run_row(args.row, args.cache == "on", args.workloads, args)
@@ -311,22 +334,8 @@ def child(args: argparse.Namespace) -> None:
 
 def spawn(row: str, cache: bool, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--row", row, "--cache", "on" if cache else "off"]
-    cmd += [
-        "--turns",
-        str(args.turns),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--context-lines",
-        str(args.context_lines),
-    ]
-    cmd += [
-        "--clients",
-        str(args.clients),
-        "--serve-tokens",
-        str(args.serve_tokens),
-        "--serve-preset",
-        args.serve_preset,
-    ]
+    for flag in ("turns", "max_tokens", "context_lines", "clients", "serve_tokens", "serve_preset", "conversations"):
+        cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     cmd += ["--workloads", *args.workloads] + (["--smoke"] if args.smoke else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.row_timeout, check=False)
@@ -393,13 +402,19 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", nargs="+", default=["peer-1.5b", "peer-0.5b", "one-1.5b", "quality", "fast"])
-    parser.add_argument("--workloads", nargs="+", default=["rag", "agent", "serve"], choices=["rag", "agent", "serve"])
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["rag", "agent", "serve", "memory"],
+        choices=["rag", "agent", "serve", "memory"],
+    )
     parser.add_argument("--turns", type=int, default=4, help="RAG questions (2-5)")
     parser.add_argument("--max-tokens", type=int, default=48, help="new tokens a turn, at most")
     parser.add_argument("--context-lines", type=int, default=40, help="lines of retrieved context (~28 tokens each)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--serve-tokens", type=int, default=16)
     parser.add_argument("--serve-preset", default="quality")
+    parser.add_argument("--conversations", type=int, default=10, help="distinct conversations (memory)")
     parser.add_argument("--only-after", action="store_true", help="SpecEM rows with the cache only")
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, 2 clients")
     parser.add_argument("--row-timeout", type=float, default=3600)
@@ -416,10 +431,10 @@ def main() -> None:
         return
     if args.smoke:
         args.rows, args.turns, args.max_tokens, args.context_lines = ["peer-smollm2", "one-smollm2"], 2, 8, 6
-        args.clients, args.serve_tokens = 2, 4
+        args.clients, args.serve_tokens, args.conversations = 2, 4, 2
         args.out = args.out if args.out != RESULTS else Path(os.devnull)
     rows: list[dict[str, Any]] = []
-    conversation = [w for w in args.workloads if w != "serve"]
+    conversation = [w for w in args.workloads if w in ("rag", "agent")]
     if conversation:
         for row in args.rows:
             for cache in [True] if row.startswith("peer-") or args.only_after else [True, False]:
@@ -430,6 +445,15 @@ def main() -> None:
     if "serve" in args.workloads:
         for cache in [True] if args.only_after else [True, False]:
             serve.append(spawn("serve", cache, args))
+    memory = []
+    if "memory" in args.workloads:
+        for cache in [True, False]:
+            memory.append(spawn("memory", cache, args))
+            print(
+                f"memory cache={cache}: loaded {memory[-1]['rss_loaded_mib']:.0f} MiB, after each conversation "
+                f"{memory[-1]['rss_after_mib']}",
+                flush=True,
+            )
     summary = summarize(rows)
     table(summary, serve)
     result = {
@@ -438,6 +462,7 @@ def main() -> None:
         "summary": summary,
         "rows": rows,
         "serve": serve,
+        "memory": memory,
     }
     if str(args.out) != os.devnull:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,15 @@ def test_store_evicts_least_recently_used_past_its_budget_and_supersedes_shorter
     assert evicted[-1] == "too long"
 
 
+def test_store_charges_each_entry_its_cost() -> None:
+    store: PrefixStore[str] = PrefixStore(100, cost=lambda _ids: 60)  # e.g. KV cells reserved
+    store.add([1, 2], "a")
+    store.add([3, 4], "b")  # 120 > 100: a goes, however short
+    assert store.tokens == 60
+    assert store.find([3, 4, 5]) is not None
+    assert store.find([1, 2, 5]) is None
+
+
 def test_budget_must_be_a_non_negative_integer() -> None:
     with pytest.raises(ConfigError, match="prefix_cache_tokens"):
         PrefixStore(-1)
@@ -246,12 +255,12 @@ def test_llama_cpp_edited_earlier_message_reuses_only_what_still_matches(smollm_
 
 
 def test_llama_cpp_eviction_under_a_tiny_budget_frees_contexts(smollm_q4_1: Path) -> None:
-    member = _llama(smollm_q4_1, prefix_cache_tokens=60)
+    member = _llama(smollm_q4_1, prefix_cache_tokens=1024)  # an idle context is charged its 1024 cells
     engine = SpecEM([member], SpecEMConfig(max_new_tokens=3))
     for question in ["One?", "Two?", "Three?"]:
         engine.generate(_chat(question))
-        assert member.model.prefixes.tokens <= 60
-    assert len(member.model.prefixes) == 1  # each conversation (~40 tokens) evicts the last
+        assert member.model.prefixes.tokens <= 1024
+    assert len(member.model.prefixes) == 1  # each conversation evicts the last: its context is freed
     tiny_budget = _llama(smollm_q4_1, prefix_cache_tokens=5)
     SpecEM([tiny_budget], SpecEMConfig(max_new_tokens=3)).generate(_chat("One?"))
     assert len(tiny_budget.model.prefixes) == 0

@@ -25,7 +25,8 @@ from specem_core.types import Candidate, CandidateScore, Draft
 UTF8_EXTRA_TOKENS = 4
 """Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
 DEFAULT_PREFIX_CACHE_TOKENS = 16384
-"""Tokens of finished requests' prefixes a member keeps by default (``prefix_cache_tokens``); the
+"""Tokens of finished requests' prefixes a member (transformers) or a model (llama.cpp, where each
+idle context is charged its ``n_ctx`` KV cells) keeps by default (``prefix_cache_tokens``); the
 memory this costs is measured in the Performance report."""
 MIN_SHARED_FRACTION = 0.1
 """A cached prefix is worth taking over (rather than a free KV cache) when it covers at least this
@@ -159,13 +160,21 @@ class PrefixStore(Generic[T]):
     are a prefix of the new one (the same conversation one turn earlier). Thread-safe.
 
     Args:
-        budget_tokens: most tokens held by all entries together (0 keeps nothing).
+        budget_tokens: most tokens all entries together are charged (0 keeps nothing).
         on_evict: called with each evicted entry's value (frees what it holds).
+        cost: tokens an entry is charged for its ids (default: their number; a llama.cpp context
+            is charged the KV cells it reserves, whatever it holds).
     """
 
-    def __init__(self, budget_tokens: int, on_evict: Callable[[T], None] | None = None) -> None:
+    def __init__(
+        self,
+        budget_tokens: int,
+        on_evict: Callable[[T], None] | None = None,
+        cost: Callable[[Sequence[int]], int] = len,
+    ) -> None:
         self.budget_tokens = check_prefix_cache_tokens(budget_tokens)
         self._on_evict = on_evict
+        self._cost = cost
         self._entries: list[CachedPrefix[T]] = []
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
@@ -176,9 +185,9 @@ class PrefixStore(Generic[T]):
 
     @property
     def tokens(self) -> int:
-        """Tokens held by all entries."""
+        """Tokens all entries are charged against the budget."""
         with self._lock:
-            return sum(len(e.ids) for e in self._entries)
+            return sum(self._cost(e.ids) for e in self._entries)
 
     def __len__(self) -> int:
         with self._lock:
@@ -230,17 +239,17 @@ class PrefixStore(Generic[T]):
         evicted: list[T] = []
         kept = False
         with self._lock:
-            if key and len(key) <= self.budget_tokens:
+            if key and self._cost(key) <= self.budget_tokens:
                 for entry in [e for e in self._entries if key[: len(e.ids)] == e.ids]:
                     self._entries.remove(entry)  # the same conversation, shorter: superseded
                     evicted.append(entry.value)
                 self._entries.append(CachedPrefix(key, value, next(self._clock)))
                 kept = True
-                total = sum(len(e.ids) for e in self._entries)
+                total = sum(self._cost(e.ids) for e in self._entries)
                 while total > self.budget_tokens:
                     oldest = min(self._entries, key=lambda e: e.last_used)
                     self._entries.remove(oldest)
-                    total -= len(oldest.ids)
+                    total -= self._cost(oldest.ids)
                     evicted.append(oldest.value)
             else:
                 evicted.append(value)

@@ -67,9 +67,11 @@ class LlamaCppModel:
         prefix_cache: keep a finished request's KV rows with its context, so that a request
             sharing a prefix with it (the next turn of a chat, the same system prompt or RAG
             context) prefills only what is new (see :meth:`acquire_for_prompt`).
-        prefix_cache_tokens: most tokens the idle contexts keep cached in all; past it the least
-            recently used context is freed (default
-            :data:`~specem_core.backends._local.DEFAULT_PREFIX_CACHE_TOKENS`).
+        prefix_cache_tokens: the budget of the prefix cache, in tokens: each idle context that
+            keeps rows is charged its ``n_ctx`` cells (past the budget the least recently used is
+            freed), and the host-memory copies of long prefixes may hold as many tokens again
+            (default :data:`~specem_core.backends._local.DEFAULT_PREFIX_CACHE_TOKENS`: two idle
+            contexts of 8,192 cells).
 
     Raises:
         ModelNotFoundError: the file is missing, not a GGUF, truncated, or llama.cpp cannot load it.
@@ -116,8 +118,11 @@ class LlamaCppModel:
         """Idle contexts holding no rows."""
         self.prefix_cache = prefix_cache
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
-        self.prefixes: PrefixStore[Context] = PrefixStore(self.prefix_cache_tokens, self._free_context)
-        """Idle contexts holding a finished request's rows, by the token ids they hold."""
+        self.prefixes: PrefixStore[Context] = PrefixStore(
+            self.prefix_cache_tokens, self._free_context, cost=lambda _ids: self.n_ctx
+        )
+        """Idle contexts holding a finished request's rows, by the token ids they hold; each is
+        charged the ``n_ctx`` KV cells it reserves, so the budget bounds their memory."""
         self.snapshots: PrefixStore[Any] = PrefixStore(self.prefix_cache_tokens)
         """Copies of finished requests' rows in host memory (``llama_state_seq_get_data``): what
         concurrent requests sharing a prefix load into contexts of their own, while the context
@@ -275,7 +280,7 @@ class LlamaCppModel:
             with self._pool_cond:
                 self._pool_cond.notify()
             return
-        copy = SNAPSHOT_MIN_TOKENS <= len(context.held) <= self.prefix_cache_tokens  # (longer: not kept)
+        copy = SNAPSHOT_MIN_TOKENS <= len(context.held) and self.n_ctx <= self.prefix_cache_tokens  # else not kept
         if copy:  # long prefixes are copied to host memory too, for concurrent requests, off the
             # request's path; a request that takes the context meanwhile waits for the copy
             context.copying.acquire()
