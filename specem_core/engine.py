@@ -21,7 +21,7 @@ from specem_core.pool import MemberPool
 from specem_core.presets import DEFAULT_PRESET, Preset, assemble
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
-from specem_core.tools import OutputPlan
+from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, tool_rounds
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -226,9 +226,11 @@ class SpecEM:
         constraint: CandidateFilter | None,
         overrides: dict[str, Any],
     ) -> Iterator[StreamEvent]:
-        """A run without tools that answers from the tool results in the conversation."""
-        run, _ = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
-        return run.events()
+        """A run without tools that answers in words from the tool results in the conversation
+        (never a call: :class:`~specem_core.tools.AnswerConstraint`)."""
+        run, plan = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
+        assert plan is not None
+        return plan.wrap(run.events(), run.messages)
 
     def _prepare(
         self,
@@ -250,6 +252,8 @@ class SpecEM:
         plan = OutputPlan.build(
             tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls, answering=answering
         )
+        if plan is not None and plan.choice.mode == "auto" and plan.tools and tool_rounds(msgs) >= MAX_TOOL_ROUNDS:
+            plan = OutputPlan.build(tools, "none", answering=True)  # the agent loop ran long enough: answer
         learned = None if config.faithful else self._weights
         if plan is None:
             return _Run(self._members, config, msgs, tools, constraint, learned=learned), None

@@ -20,7 +20,8 @@ imports only the ones listed before it):
   schema) and :class:`~specem_core.types.InvalidToolCall` s; :func:`loads_lenient` reads JSON
   that is fenced or cut short. It never raises on model output.
 * :mod:`~specem_core.tools.constraints` — :class:`ToolCallConstraint`, :class:`JSONConstraint` and
-  :class:`PlainTextConstraint`, the :data:`~specem_core.engine.CandidateFilter` s that keep a
+  :class:`PlainTextConstraint` (and :class:`AnswerConstraint`, the words of a final answer after
+  tool results), the :data:`~specem_core.engine.CandidateFilter` s that keep a
   segment a valid prefix (of a call to a known tool with arguments fitting its schema, of a JSON
   answer, of plain text) during generation, on a JSON prefix parser.
 * :mod:`~specem_core.tools.plan` — :class:`OutputPlan` puts it together for one request: which
@@ -32,7 +33,7 @@ imports only the ones listed before it):
 Every public name is re-exported here: ``from specem_core.tools import OutputPlan`` etc.
 """
 
-from specem_core.tools.constraints import JSONConstraint, PlainTextConstraint, ToolCallConstraint
+from specem_core.tools.constraints import AnswerConstraint, JSONConstraint, PlainTextConstraint, ToolCallConstraint
 from specem_core.tools.parse import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -45,11 +46,16 @@ from specem_core.tools.plan import (
     ANSWER_FROM_RESULTS,
     JSON_INSTRUCTION,
     JSON_SCHEMA_INSTRUCTION,
+    MAX_TOOL_ROUNDS,
     CandidateFilter,
     ContentStream,
     OutputPlan,
+    answer_words,
     answered_calls,
     repeats_answered_calls,
+    tool_results_summary,
+    tool_rounds,
+    visible_answer,
     visible_content,
 )
 from specem_core.tools.schema import (
@@ -65,8 +71,10 @@ __all__ = [
     "ANSWER_FROM_RESULTS",
     "JSON_INSTRUCTION",
     "JSON_SCHEMA_INSTRUCTION",
+    "MAX_TOOL_ROUNDS",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
+    "AnswerConstraint",
     "CandidateFilter",
     "ContentStream",
     "JSONConstraint",
@@ -76,6 +84,7 @@ __all__ = [
     "ToolCallConstraint",
     "ToolChoice",
     "ToolChoiceMode",
+    "answer_words",
     "answered_calls",
     "coerce_arguments",
     "loads_lenient",
@@ -85,5 +94,8 @@ __all__ = [
     "normalize_tools",
     "parse_tool_calls",
     "repeats_answered_calls",
+    "tool_results_summary",
+    "tool_rounds",
+    "visible_answer",
     "visible_content",
 ]

@@ -639,6 +639,43 @@ class PlainTextConstraint:
         return _longest_accepted_prefix(self, committed, candidate)
 
 
+BARE_CALL_RE = re.compile(r'\{\s*"|\[\s*\{')
+"""The start of a JSON object with a key, or of an array of objects, anywhere in a text: how a
+bare JSON tool call (``{"name": ...``) begins, and never words."""
+
+
+class AnswerConstraint(PlainTextConstraint):
+    """The words of a final answer after tool results (the answer that replaces a repeated call,
+    or the one after the tool-round limit): no call markup and no bare call JSON anywhere.
+
+    When every candidate of the first round is a call, :meth:`options` offers ``opener`` (the
+    members then go on in words); :meth:`complete` ends the answer as soon as call JSON is
+    committed anyway (``OutputPlan`` cuts it off and falls back to the tool results).
+    """
+
+    def __init__(self, opener: str = "The result is") -> None:
+        self.opener = opener
+
+    def accepts(self, text: str) -> bool:
+        """Whether ``text`` holds words only: no call and no JSON answer."""
+        return super().accepts(text) and BARE_CALL_RE.search(text) is None
+
+    def options(self, committed: str) -> list[str]:
+        """``[opener]`` before any text; nothing afterwards."""
+        return [self.opener] if not committed.strip() else []
+
+    def complete(self, text: str) -> bool:
+        """The committed text started a call: nothing after it belongs to the answer."""
+        return not self.accepts(text)
+
+    def trim(self, committed: str, candidate: str) -> str:
+        """The longest acceptable prefix of ``candidate``, less a tail that may open a call
+        (from its last ``{``, ``[``, ``<`` or backtick on)."""
+        cut = _longest_accepted_prefix(self, committed, candidate)
+        start = max(cut.rfind(ch) for ch in "{[<`")
+        return cut[:start] if start != -1 else cut
+
+
 def _longest_accepted_prefix(accepts: Callable[[str, str], bool], committed: str, candidate: str) -> str:
     """Binary search for the longest prefix of ``candidate`` that ``accepts`` (prefix-closed) keeps."""
     lo, hi = 0, len(candidate)

@@ -21,7 +21,13 @@ from typing import Any
 
 from specem_core.errors import InputError
 from specem_core.tools._jsonschema import resolve_refs, schema_types
-from specem_core.tools.constraints import JSONConstraint, PlainTextConstraint, ToolCallConstraint
+from specem_core.tools.constraints import (
+    BARE_CALL_RE,
+    AnswerConstraint,
+    JSONConstraint,
+    PlainTextConstraint,
+    ToolCallConstraint,
+)
 from specem_core.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from specem_core.tools.schema import ToolChoice, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, StreamEvent, ToolCall
@@ -63,15 +69,81 @@ def visible_content(text: str) -> str:
     return shown.rstrip()
 
 
+def answer_words(text: str) -> str:
+    """The words of a final answer after tool results: ``text`` up to the first call markup or
+    bare call JSON; empty when it starts as a call or a JSON answer."""
+    head = text.strip()
+    if head.startswith(PlainTextConstraint.MARKERS):
+        return ""
+    cuts = [i for i in (head.find(TOOL_CALL_OPEN), head.find("```json")) if i != -1]
+    match = BARE_CALL_RE.search(head)
+    if match:
+        cuts.append(match.start())
+    return head[: min(cuts)].rstrip() if cuts else head
+
+
+_HELD_TAIL = 24
+"""How far back from the end :func:`visible_answer` looks for a ``{``, ``[``, ``<`` or a
+backtick that may start call markup."""
+
+
+def visible_answer(text: str) -> str:
+    """The part of :func:`answer_words` that is safe to stream: a tail that may still become a
+    call (from a recent ``{``, ``[``, ``<`` or backtick on) is held back."""
+    words = answer_words(text)
+    tail_start = max(0, len(words) - _HELD_TAIL)
+    held = [words.rfind(ch, tail_start) for ch in "{[<`"]
+    cut = max(held)
+    return (words[:cut] if cut != -1 else words).rstrip()
+
+
+def tool_results_summary(messages: Sequence[Mapping[str, Any]], limit: int = 300) -> str:
+    """A short answer stating the last tool results in ``messages`` (the fallback when the
+    members write nothing but calls where words are due)."""
+    results: list[str] = []
+    for m in reversed(messages):
+        role = m.get("role")
+        if role == "tool":
+            text = " ".join(str(m.get("content") or "").split())
+            results.append(text[:limit].rstrip(".") or "empty")
+        elif results or role in ("user", "assistant"):
+            break
+    if not results:
+        return "I could not find the answer with the tools."
+    results.reverse()
+    if len(results) == 1:
+        return f"The result is {results[0]}."
+    return f"The results are {', '.join(results)}."
+
+
+def tool_rounds(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Assistant turns with tool calls since the last user message (one agent step each)."""
+    rounds = 0
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            break
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            rounds += 1
+    return rounds
+
+
+MAX_TOOL_ROUNDS = 8
+"""Tool rounds (assistant turns with calls since the last user message) after which a request
+with ``tool_choice="auto"`` is answered in words from the tool results, without tools: an agent
+loop always ends, well within LangGraph's old recursion limit of 25 and LlamaIndex
+``FunctionAgent``'s ``max_iterations=20``."""
+
+
 class ContentStream:
     """Turns growing committed text into append-only deltas of answer text."""
 
-    def __init__(self) -> None:
+    def __init__(self, visible: Callable[[str], str] = visible_content) -> None:
         self.emitted = ""
+        self.visible = visible
 
     def feed(self, text: str) -> str:
         """New answer text, given everything committed (and safe to show) so far."""
-        shown = visible_content(text)
+        shown = self.visible(text)
         if not shown.startswith(self.emitted) or len(shown) <= len(self.emitted):
             return ""
         delta = shown[len(self.emitted) :]
@@ -134,6 +206,9 @@ class OutputPlan:
     """System text added to the conversation (JSON output)."""
     parse: bool = False
     """Parse tool calls out of the committed text."""
+    answering: bool = False
+    """A final answer in words from the tool results: call markup or JSON is cut off, and an
+    answer left empty becomes :func:`tool_results_summary`."""
 
     @classmethod
     def build(
@@ -183,8 +258,9 @@ class OutputPlan:
             return cls(
                 tools=[],
                 choice=choice,
-                constraint=PlainTextConstraint(),
+                constraint=AnswerConstraint() if answering else PlainTextConstraint(),
                 instruction=ANSWER_FROM_RESULTS if answering else None,
+                answering=answering,
             )
         single = not parallel_tool_calls or choice.mode == "required"
         prefill = ""
@@ -249,6 +325,9 @@ class OutputPlan:
         ``messages`` (same tool, same arguments) brings nothing new: when ``answer_instead`` is
         given, its events (a run without tools) replace the final event.
         """
+        if self.answering:
+            yield from self._answer(events, messages)
+            return
         if not self.parse:
             yield from events
             return
@@ -267,6 +346,22 @@ class OutputPlan:
                     return
                 delta = stream.finish(result.content or "")
                 yield dataclasses.replace(event, delta=delta, result=result)
+            else:
+                yield dataclasses.replace(event, delta=stream.feed(text))
+
+    def _answer(self, events: Iterator[StreamEvent], messages: Sequence[Mapping[str, Any]]) -> Iterator[StreamEvent]:
+        """An answering run's events: words only, never a call; the tool results when no words."""
+        stream = ContentStream(visible_answer)
+        text = ""
+        for event in events:
+            text += event.delta
+            if event.done and event.result is not None:
+                words = answer_words(event.result.text)
+                opener = getattr(self.constraint, "opener", None)
+                if not words or (opener and words.rstrip(" .:,") == opener):
+                    words = tool_results_summary(messages)
+                result = dataclasses.replace(event.result, content=words, tool_calls=[], invalid_tool_calls=[])
+                yield dataclasses.replace(event, delta=stream.finish(words), result=result)
             else:
                 yield dataclasses.replace(event, delta=stream.feed(text))
 

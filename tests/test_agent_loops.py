@@ -1,0 +1,159 @@
+"""Agent loops that finish (#45), replayed on scripted members at the engine level.
+
+The conversations are the ones the issue reports on the default preset:
+
+* a repeated call after its result: ``Human "What is 12 times 7?"`` → ``AI multiply(a=12, b=7)``
+  → ``Tool "84"``, then every member writes the same call again, as bare JSON, also when asked
+  to answer without tools. The answer was that JSON as content; it must be words.
+* a multi-step loop that does not stop: multiply(12, 7) → 84, add(84, 5) → 89, then
+  multiply(89, 5), add(445, 5), … (each call new). The loop must end with words within
+  :data:`~specem_core.tools.MAX_TOOL_ROUNDS` tool rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from agent_scripts import OPS, TOOLS, Writer, bare_call, looping, stubborn
+
+from specem_core import SessionRequest, SpecEM, SpecEMConfig
+from specem_core.tools import (
+    MAX_TOOL_ROUNDS,
+    AnswerConstraint,
+    answer_words,
+    tool_results_summary,
+    tool_rounds,
+    visible_answer,
+)
+
+
+def engine(*members: Writer) -> SpecEM:
+    return SpecEM(list(members), SpecEMConfig(max_new_tokens=64, segment_len=8))
+
+
+QUESTION: list[dict[str, Any]] = [{"role": "user", "content": "What is 12 times 7?"}]
+REPEAT_HISTORY: list[dict[str, Any]] = [
+    *QUESTION,
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 7}}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "84"},
+]
+
+
+def test_a_repeated_call_whose_retry_is_json_again_ends_in_words() -> None:
+    member = Writer("stubborn", stubborn)
+    events = list(engine(member).stream(REPEAT_HISTORY, tools=TOOLS))
+    result = events[-1].result
+    assert result is not None
+    # before: content '{"name": "multiply", "arguments": {"a": 12, "b": 7}}', no call, finish stop
+    assert result.content == "The result is 84."
+    assert result.tool_calls == []
+    assert result.invalid_tool_calls == []
+    assert "".join(e.delta for e in events) == result.content  # nothing else was streamed
+    assert member.requests[0].tools
+    assert member.requests[1].tools is None
+
+
+def test_the_retry_keeps_a_member_that_answers_in_words() -> None:
+    def talker(request: SessionRequest, committed: str) -> str:
+        if request.tools:
+            return bare_call("multiply", 12, 7)
+        target = "12 times 7 is 84."
+        return target[len(committed) :] if target.startswith(committed) else " (off script)"
+
+    result = engine(Writer("stubborn", stubborn), Writer("talker", talker)).generate(REPEAT_HISTORY, tools=TOOLS)
+    assert result.content == "12 times 7 is 84."
+    assert result.tool_calls == []
+
+
+def test_the_retry_goes_on_in_words_after_the_opener() -> None:
+    def continues(request: SessionRequest, committed: str) -> str:
+        if request.tools or not committed:
+            return bare_call("multiply", 12, 7)
+        return " 84, so 12 times 7 is 84."
+
+    result = engine(Writer("a", continues)).generate(REPEAT_HISTORY, tools=TOOLS)
+    assert result.content == "The result is 84, so 12 times 7 is 84."
+
+
+def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[str, Any]], Any]:
+    """A minimal agent loop: call the model, run its calls, until it answers without calls."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    for _ in range(limit):
+        result = eng.generate(messages, tools=TOOLS)
+        if not result.tool_calls:
+            return messages, result
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in result.tool_calls
+        ]
+        messages.append({"role": "assistant", "content": result.content or "", "tool_calls": calls})
+        for c in result.tool_calls:
+            value = OPS[c.name](int(c.arguments["a"]), int(c.arguments["b"]))
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": str(value)})
+    raise AssertionError("the loop did not end")
+
+
+def test_a_loop_of_new_calls_ends_in_words_within_the_round_limit() -> None:
+    messages, result = run_agent(engine(Writer("looper", looping)), "What is 12 times 7, plus 5? Use the tools.")
+    assert tool_rounds(messages) == MAX_TOOL_ROUNDS  # before: it never ended (new calls each time)
+    assert result.tool_calls == []
+    assert result.content.startswith("The result is ")
+    assert "{" not in result.content
+    assert [m["content"] for m in messages if m["role"] == "tool"][:2] == ["84", "89"]
+
+
+def test_a_loop_that_repeats_a_call_ends_at_the_repeat() -> None:
+    def repeat_last(request: SessionRequest, committed: str) -> str:
+        results = [int(m["content"]) for m in request.messages if m.get("role") == "tool"]
+        if not request.tools:
+            return "" if committed else bare_call("add", 84, 5)
+        return bare_call("multiply", 12, 7) if not results else bare_call("add", 84, 5)
+
+    messages, result = run_agent(engine(Writer("a", repeat_last)), "What is 12 times 7, plus 5?")
+    assert tool_rounds(messages) == 2
+    assert result.content == "The result is 89."
+
+
+@pytest.mark.parametrize(
+    ("text", "words", "visible"),
+    [
+        ('{"name": "multiply", "arguments": {"a": 12}}', "", ""),
+        ('<tool_call>{"name": "x"}</tool_call>', "", ""),
+        ("```json\n{}", "", ""),
+        ('It is 84. {"name": "add", "arguments": {}}', "It is 84.", "It is 84."),
+        ("It is 84. <tool_call>", "It is 84.", "It is 84."),
+        ("The answer is 84 {", "The answer is 84 {", "The answer is 84"),  # may still become a call
+        ("Plain words.", "Plain words.", "Plain words."),
+    ],
+)
+def test_answer_words(text: str, words: str, visible: str) -> None:
+    assert answer_words(text) == words
+    assert visible_answer(text) == visible
+
+
+def test_answer_constraint() -> None:
+    c = AnswerConstraint()
+    assert c("", "The result is 84.")
+    assert not c("", '{"name": "add"')
+    assert not c("It is ", '84 {"name": "add", ')
+    assert c.trim("It is ", '84 {"name": "add"}') == "84 "
+    assert c.options("") == ["The result is"]
+    assert c.options("The result is") == []
+    assert c.complete('x {"name": "a", ')
+    assert not c.complete("x")
+
+
+def test_tool_results_summary_and_rounds() -> None:
+    assert tool_results_summary(REPEAT_HISTORY) == "The result is 84."
+    two = [*REPEAT_HISTORY, {"role": "tool", "tool_call_id": "c2", "content": "5."}]
+    assert tool_results_summary(two) == "The results are 84, 5."
+    assert tool_results_summary(QUESTION).startswith("I could not")
+    assert tool_rounds(REPEAT_HISTORY) == 1
+    assert tool_rounds([*REPEAT_HISTORY, *QUESTION]) == 0
