@@ -290,6 +290,8 @@ class LocalVocabulary:
 
     stop_ids: frozenset[int]
     suppress_ids: list[int]
+    chat: Any
+    """The member's :class:`~specem_core.chat_format.ChatFormat`."""
 
     def encode_response(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -298,6 +300,15 @@ class LocalVocabulary:
         raise NotImplementedError
 
     def _decode_text(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def encode_prompt(self, request: SessionRequest) -> list[int]:
+        """The member's own chat-formatted prompt as token ids (templates write BOS themselves;
+        the plain format needs the tokenizer's own special tokens)."""
+        text = self.chat.render(request.messages, request.tools)
+        return self._tokenize_prompt(text, not self.chat.uses_template)
+
+    def _tokenize_prompt(self, text: str, add_special: bool) -> list[int]:
         raise NotImplementedError
 
     def _never_drafted(self) -> set[int]:
@@ -395,7 +406,91 @@ class LocalSession(MemberSession):
         held = self._prompt_ids + self._cached_resp
         return held[: min(len(held), self._cache_length())]
 
+    @consistent
+    def draft(
+        self,
+        max_tokens: int,
+        sampling: SamplingParams,
+        *,
+        hints: Sequence[Candidate] = (),
+        score_eos: bool = False,
+    ) -> Draft:
+        """Continue from the committed prefix by up to ``max_tokens`` tokens (token healing first,
+        when asked); ``hints`` go to the backend's :meth:`_draft_plain` (the llama.cpp session
+        drafts speculatively over them; the transformers session does not use them)."""
+        self._to_committed()
+        if sampling.token_healing:
+            healed = self._draft_healed(max_tokens, sampling)
+            if healed is not None:
+                return healed
+        return self._draft_plain(max_tokens, sampling, hints, score_eos)
+
+    def _plan(
+        self, candidates: Sequence[Candidate], score_eos: bool
+    ) -> tuple[list[CandidateScore | None], list[Pending]]:
+        """:func:`plan_scores` on this session's committed text, ids and draft."""
+        return plan_scores(
+            candidates,
+            encode=self._m.encode_response,
+            committed_text=self._text,
+            committed_ids=self._resp_ids,
+            draft=self._draft,
+            score_eos=score_eos,
+        )
+
+    def _draft_won(self, text: str, full: list[int], final: bool) -> bool:
+        """Whether the committed ``text`` (``full``: the response's ids with it) is this session's
+        own canonical draft, whose KV rows can stay (an ended draft is only ever the final one)."""
+        draft = self._draft
+        return (
+            draft is not None
+            and draft.canonical
+            and draft.text == text
+            and (final or not draft.ended)
+            and full == self._resp_ids + draft.ids
+        )
+
+    def _keep_draft_rows(self, full: list[int], final: bool) -> None:
+        """Keep the winning draft's rows as the committed prefix; its last token is fed unless the
+        commit is ``final`` (nobody continues from there; the fed rows still go to the prefix cache)."""
+        draft = self._draft
+        assert draft is not None
+        self._set_length(self._committed_len() + draft.fed)
+        if final:
+            self._cached_resp = self._resp_ids + draft.ids[: draft.fed]
+            return
+        unfed = draft.ids[draft.fed :]
+        if unfed:
+            self._set_head(self._feed(unfed))
+        self._cached_resp = full
+
+    def _extend_to(self, full: list[int], cached: list[int] | None = None) -> None:
+        """Roll the cache back to the common prefix of ``full`` and the cached response ids
+        (``cached``, default the committed ones) and feed the rest."""
+        lcp = common_prefix(self._resp_ids if cached is None else cached, full)
+        start = len(self._prompt_ids) + lcp
+        tail = full[lcp:]
+        if not tail:  # nothing new: recompute the logits of the last kept token
+            start -= 1
+            tail = [(self._prompt_ids + full)[start]]
+        self._set_length(start)
+        self._set_head(self._feed(tail))
+
     # -- hooks ------------------------------------------------------------------------------
+    def _set_head(self, logits: Any) -> None:
+        """Next-token logits after the last position the cache holds."""
+        raise NotImplementedError
+
+    def _to_committed(self) -> None:
+        """Make sure the cache holds the committed prefix and its next-token logits are known."""
+        raise NotImplementedError
+
+    def _draft_plain(
+        self, max_tokens: int, sampling: SamplingParams, hints: Sequence[Candidate], score_eos: bool
+    ) -> Draft:
+        """The backend's draft from the committed prefix (no healing)."""
+        raise NotImplementedError
+
     def _set_length(self, n: int) -> None:
         raise NotImplementedError
 
@@ -426,6 +521,23 @@ class LocalSession(MemberSession):
         raise NotImplementedError
 
     # -- drafting rules -----------------------------------------------------------------------
+    def _record_pick(
+        self,
+        token: int,
+        score: tuple[float, float],
+        ids: list[int],
+        scores: list[tuple[float, float]],
+        history: set[int],
+    ) -> tuple[float, float] | None:
+        """Add a picked token and its (raw logit, log-prob) to the draft; when the token ends the
+        turn it is not added (it is never part of a draft's text) and its score comes back."""
+        if token in self._m.stop_ids:
+            return score
+        ids.append(token)
+        scores.append(score)
+        history.add(token)
+        return None
+
     def _draft_is_full(self, ids: Sequence[int], token: int, max_tokens: int, sampling: SamplingParams) -> bool:
         """Whether the draft ends after ``token`` (the last of ``ids``): the length cap once no
         character is left half-written (a few tokens more at most), or a line end when asked."""

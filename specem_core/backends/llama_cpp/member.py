@@ -99,11 +99,8 @@ class LlamaCppMember(LocalVocabulary):
         )
 
     # -- tokenizer helpers ------------------------------------------------------------------
-    def encode_prompt(self, request: SessionRequest) -> list[int]:
-        """The member's own chat-formatted prompt as token ids."""
-        text = self.chat.render(request.messages, request.tools)
-        # Templates write BOS themselves; the plain format needs the tokenizer's own BOS.
-        return self.model.tokenize(text, add_special=not self.chat.uses_template, parse_special=True)
+    def _tokenize_prompt(self, text: str, add_special: bool) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=True)
 
     def encode_response(self, text: str) -> list[int]:
         """Canonical ids of the response text (no special tokens are parsed in model output)."""

@@ -280,7 +280,7 @@ class LlamaCppModel:
             with self._pool_cond:
                 self._pool_cond.notify()
             return
-        copy = SNAPSHOT_MIN_TOKENS <= len(context.held) and self.n_ctx <= self.prefix_cache_tokens  # else not kept
+        copy = len(context.held) >= SNAPSHOT_MIN_TOKENS and self.n_ctx <= self.prefix_cache_tokens  # else not kept
         if copy:  # long prefixes are copied to host memory too, for concurrent requests, off the
             # request's path; a request that takes the context meanwhile waits for the copy
             context.copying.acquire()

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specem_core.backends._local import LocalSession, common_prefix, consistent, mean_score, plan_scores
+from specem_core.backends._local import LocalSession, consistent, mean_score, plan_scores
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.llama_cpp._binding import (
     BALLAST,
@@ -109,27 +109,13 @@ class LlamaCppSession(LocalSession):
         self._closed = False
 
     # -- protocol ---------------------------------------------------------------------------
-    @consistent
-    def draft(
-        self,
-        max_tokens: int,
-        sampling: SamplingParams,
-        *,
-        hints: Sequence[Candidate] = (),
-        score_eos: bool = False,
+    def _draft_plain(
+        self, max_tokens: int, sampling: SamplingParams, hints: Sequence[Candidate], score_eos: bool
     ) -> Draft:
-        """Continue from the committed prefix by up to ``max_tokens`` tokens.
-
-        ``hints`` (candidates drafted before this one) are scored first, in one decode call, and
+        """``hints`` (candidates drafted before this one) are scored first, in one decode call, and
         the draft then runs over their rows for as long as its own picks equal a hint's tokens:
         each agreeing token costs no decode step (speculative drafting, exact for any sampling:
-        the picks are made from the same logits, with the same random stream).
-        """
-        self._to_committed()
-        if sampling.token_healing:
-            healed = self._draft_healed(max_tokens, sampling)
-            if healed is not None:
-                return healed
+        the picks are made from the same logits, with the same random stream)."""
         rows = self._score_hints(hints, score_eos) if hints else []
         return self._draft_from(self._committed_logits, [], max_tokens, sampling, rows)
 
@@ -140,14 +126,7 @@ class LlamaCppSession(LocalSession):
         self._ensure_prefilled()
         if not self._early:
             self._drop_scratch()
-        out, pending = plan_scores(
-            candidates,
-            encode=self._m.encode_response,
-            committed_text=self._text,
-            committed_ids=self._resp_ids,
-            draft=self._draft,
-            score_eos=score_eos,
-        )
+        out, pending = self._plan(candidates, score_eos)
         for n, text, _full, _lcp, with_eos in pending:
             out[n] = self._early.get((text, with_eos))
         pending = [p for p in pending if out[p[0]] is None]
@@ -162,25 +141,13 @@ class LlamaCppSession(LocalSession):
         On the ``final`` commit only the two paths that cost no decode run (the draft's or a scored
         row's KV is kept), so that a follow-up request finds the whole answer in the prefix cache."""
         full = self._m.encode_response(self._text + text)
-        draft, row = self._draft, self._rows.get(text)
+        row = self._rows.get(text)
         committed = self._committed_len()
         if self._ctx is None:
             pass  # accounting only: nothing is cached yet
-        elif (
-            draft is not None
-            and draft.canonical
-            and draft.text == text
-            and (final or not draft.ended)  # an ended draft is only ever the final segment
-            and full == self._resp_ids + draft.ids
-        ):
+        elif self._draft_won(text, full, final):
             self._drop_scratch(retire_below=True)  # hint rows under the draft stay occupied
-            self._set_length(committed + draft.fed)
-            unfed = draft.ids[draft.fed :]
-            if final:  # nobody continues from here: the fed rows are kept, the last token is not fed
-                self._cached_resp = self._resp_ids + draft.ids[: draft.fed]
-            else:
-                self._next_logits = self._feed(unfed) if unfed else self._next_logits
-                self._cached_resp = full
+            self._keep_draft_rows(full, final)
         elif row is not None and row.full_ids == full:
             self._adopt(row)
             self._cached_resp = full
@@ -276,6 +243,9 @@ class LlamaCppSession(LocalSession):
     def _committed_head(self) -> Any:
         return self._committed_logits
 
+    def _set_head(self, logits: Any) -> None:
+        self._next_logits = logits
+
     def _set_committed_head(self, logits: Any) -> None:
         self._committed_logits = self._next_logits = logits
 
@@ -294,18 +264,6 @@ class LlamaCppSession(LocalSession):
         self._drop_scratch()
         self._set_length(self._committed_len())
         self._next_logits = self._committed_logits
-
-    def _extend_to(self, full: list[int], cached: list[int] | None = None) -> None:
-        """Roll the sequence back to the common prefix of ``full`` and the cached response ids
-        (``cached``, default the committed ones) and feed the rest."""
-        lcp = common_prefix(self._resp_ids if cached is None else cached, full)
-        start = len(self._prompt_ids) + lcp
-        tail = full[lcp:]
-        if not tail:  # nothing new: recompute the logits of the last kept token
-            start -= 1
-            tail = [(self._prompt_ids + full)[start]]
-        self._set_length(start)
-        self._next_logits = self._feed(tail)
 
     def _drop_scratch(self, *, retire_below: bool = False) -> None:
         """Free this round's candidate rows; with ``retire_below``, rows the session's sequence
@@ -394,12 +352,9 @@ class LlamaCppSession(LocalSession):
         while True:
             token = self._pick(logits, sampling, history, allowed_first if not ids else None)
             score = (float(logits[token]), float(logits[token]) - logsumexp(self._np, logits))
-            if token in self._m.stop_ids:
-                eos_score = score
+            eos_score = self._record_pick(token, score, ids, scores, history)
+            if eos_score is not None:
                 break
-            ids.append(token)
-            scores.append(score)
-            history.add(token)
             if alive:
                 at = len(ids) - 1
                 alive = [r for r in alive if at < len(r.text_ids) and r.text_ids[at] == token]

@@ -198,11 +198,8 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
         )
 
     # -- tokenizer helpers ------------------------------------------------------------------
-    def encode_prompt(self, request: SessionRequest) -> list[int]:
-        """The member's own chat-formatted prompt as token ids."""
-        text = self.chat.render(request.messages, request.tools)
-        # Templates write BOS themselves; the plain format needs the tokenizer's special tokens.
-        return list(self.tokenizer.encode(text, add_special_tokens=not self.chat.uses_template))
+    def _tokenize_prompt(self, text: str, add_special: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
     def encode_response(self, text: str) -> list[int]:
         """Canonical ids of the response text (it follows the prompt, so no special tokens)."""

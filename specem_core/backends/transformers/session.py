@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specem_core.backends._batching import BatchStats, DeviceQueue, Step, device_queue
-from specem_core.backends._local import LocalSession, common_prefix, consistent, plan_scores
+from specem_core.backends._local import LocalSession, consistent
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.errors import ConfigError
 from specem_core.types import Candidate, CandidateScore, Draft
@@ -83,23 +83,11 @@ class TransformersSession(LocalSession):
         self._prefilled = False
 
     # -- protocol ---------------------------------------------------------------------------
-    @consistent
-    def draft(
-        self,
-        max_tokens: int,
-        sampling: SamplingParams,
-        *,
-        hints: Sequence[Candidate] = (),
-        score_eos: bool = False,
+    def _draft_plain(
+        self, max_tokens: int, sampling: SamplingParams, hints: Sequence[Candidate], score_eos: bool
     ) -> Draft:
-        """Continue from the cached committed prefix by up to ``max_tokens`` tokens (``hints`` are
-        not used by this backend: its batched verification already costs about one decode step)."""
-        self._ensure_prefilled()
-        self._to_committed()
-        if sampling.token_healing:
-            healed = self._draft_healed(max_tokens, sampling)
-            if healed is not None:
-                return healed
+        """``hints`` are not used by this backend: its batched verification already costs about one
+        decode step."""
         return self._draft_from(self._next_logits, [], max_tokens, sampling)
 
     def _draft_from(self, logits: Any, allowed_first: list[int], max_tokens: int, sampling: SamplingParams) -> Draft:
@@ -120,12 +108,9 @@ class TransformersSession(LocalSession):
                 else:
                     token = self._pick(logits, sampling, history)
                 score = (float(logits[token]), float(torch.log_softmax(logits, dim=-1)[token]))
-                if token in self._m.stop_ids:
-                    eos_score = score
+                eos_score = self._record_pick(token, score, ids, scores, history)
+                if eos_score is not None:
                     break
-                ids.append(token)
-                scores.append(score)
-                history.add(token)
                 if self._draft_is_full(ids, token, max_tokens, sampling):
                     break
                 logits = self._feed([token])
@@ -136,14 +121,7 @@ class TransformersSession(LocalSession):
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
         """Mean raw logit and mean log-prob of each candidate's tokens (see the module docstring)."""
         torch = self._torch
-        out, pending = plan_scores(
-            candidates,
-            encode=self._m.encode_response,
-            committed_text=self._text,
-            committed_ids=self._resp_ids,
-            draft=self._draft,
-            score_eos=score_eos,
-        )
+        out, pending = self._plan(candidates, score_eos)
         self._pass = None
         if pending:
             self._ensure_prefilled()
@@ -157,27 +135,14 @@ class TransformersSession(LocalSession):
         the ``final`` commit only where that costs no forward pass: for the prefix cache)."""
         torch = self._torch
         full = self._m.encode_response(self._text + text)
-        draft, score_pass = self._draft, self._pass
+        score_pass = self._pass
         if not final:
             self._ensure_prefilled()
         with torch.inference_mode():
             if final and not self._prefilled:
                 pass  # accounting only: nothing is cached
-            elif (
-                draft is not None
-                and draft.canonical
-                and draft.text == text
-                and (final or not draft.ended)  # an ended draft is only ever the final segment
-                and full == self._resp_ids + draft.ids
-            ):
-                self._set_length(self._committed_len() + draft.fed)
-                unfed = draft.ids[draft.fed :]
-                if final:  # nobody continues from here: the fed rows are kept, the last token is not fed
-                    self._cached_resp = self._resp_ids + draft.ids[: draft.fed]
-                else:
-                    if unfed:
-                        self._next_logits = self._feed(unfed)
-                    self._cached_resp = full
+            elif self._draft_won(text, full, final):
+                self._keep_draft_rows(full, final)
             elif score_pass is not None and text in score_pass.rows and score_pass.rows[text].full_ids == full:
                 row = score_pass.rows[text]
                 cut = slice(score_pass.pad, score_pass.pad + row.cache_len)
@@ -291,6 +256,9 @@ class TransformersSession(LocalSession):
     def _committed_head(self) -> Any:
         return self._next_logits
 
+    def _set_head(self, logits: Any) -> None:
+        self._next_logits = logits
+
     def _set_committed_head(self, logits: Any) -> None:
         self._next_logits = logits
 
@@ -316,21 +284,11 @@ class TransformersSession(LocalSession):
 
     def _to_committed(self) -> None:
         """Drop leftover draft positions; make sure next-token logits are known."""
+        self._ensure_prefilled()
         n = self._committed_len()
         if self._cache_len() > n or self._next_logits is None:
             self._set_length(n - 1)
             self._next_logits = self._feed([(self._prompt_ids + self._resp_ids)[n - 1]])
-
-    def _extend_to(self, full: list[int]) -> None:
-        """Roll the cache back to the common prefix with ``full`` and feed the rest."""
-        lcp = common_prefix(self._resp_ids, full)
-        start = len(self._prompt_ids) + lcp
-        tail = full[lcp:]
-        if not tail:  # nothing new: recompute the logits of the last kept token
-            start -= 1
-            tail = [(self._prompt_ids + full)[start]]
-        self._set_length(start)
-        self._next_logits = self._feed(tail)
 
     def _decode_continuation(self, ids: Sequence[int]) -> str:
         tok = self._m.tokenizer
