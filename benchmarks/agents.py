@@ -1,0 +1,752 @@
+"""Agents that finish: tool loops through LangGraph / LangChain and LlamaIndex, and BFCL single calls.
+
+    python benchmarks/agents.py                                   # everything (hours on a 2-core CPU)
+    python benchmarks/agents.py --rows one-1.5b quality --frameworks langgraph --tasks 10
+    python benchmarks/agents.py --only bfcl --bfcl-limit 50
+    python benchmarks/agents.py --smoke                           # seconds: SmolLM2, 2 tasks, 1 BFCL case each
+
+Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (the
+expected number within 1%, or the expected word): one-step and multi-step arithmetic, unit
+conversions, look-ups in a small in-memory table of made-up cities, questions that need no tool, a
+tool that raises an error on its first call, and questions that need two different tools. Every
+task runs through
+
+* ``langgraph``: ``langchain.agents.create_agent`` (LangGraph underneath), ``recursion_limit``
+  25 (LangGraph's old default; the new one is 10007);
+* ``llamaindex``: LlamaIndex ``FunctionAgent``, ``max_iterations`` 20 (its default);
+
+each without and with a plain system prompt (``--system``). Rows: ``quality`` and ``fast`` (the
+presets), ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and ``peer-1.5b``: llama-cpp-python's
+``create_chat_completion(tools=..., tool_choice="auto")`` on the same GGUF with its own chat
+template (LangGraph only). llama-cpp-python does not parse that template's ``<tool_call>`` text
+(abetlen/llama-cpp-python#1784), so the peer's content is read with SpecEM's Hermes parser, as a
+user of it would have to.
+
+Per task: success, whether the final answer is a raw tool call, whether the framework's limit
+stopped the loop, tool calls, model steps, seconds. BFCL (``../shared/eval/bfcl``; simple,
+multiple, irrelevance; any file of these formats via ``--bfcl-dir``): one request per case, graded
+like the leaderboard's AST checker (``../shared/eval/README.md``). Writes
+``benchmarks/results/agents.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results" / "agents.json"
+BFCL_DIR = ROOT.parent / "shared" / "eval" / "bfcl"
+BFCL_FILES = {
+    "simple": "BFCL_v4_simple_python.json",
+    "multiple": "BFCL_v4_multiple.json",
+    "irrelevance": "BFCL_v4_irrelevance.json",
+}
+SYSTEM_PROMPT = "You are a helpful assistant. Use the tools when they help, then answer in one short sentence."
+RECURSION_LIMIT = 25
+MAX_ITERATIONS = 20
+PRESET_MEMBERS: dict[str, list[str] | None] = {
+    "quality": None,
+    "fast": None,
+    "one-1.5b": ["qwen2.5-coder-1.5b"],
+    "one-smollm2": ["smollm2"],
+}
+PEERS = {"peer-1.5b": "qwen2.5-coder-1.5b", "peer-smollm2": "smollm2"}
+
+
+# -- tools -----------------------------------------------------------------------------------------
+CITIES = {
+    "velmora": {"country": "Estria", "population": 48200, "elevation_m": 312, "founded": 1287},
+    "quenby": {"country": "Norland", "population": 127500, "elevation_m": 45, "founded": 1542},
+    "ostrava falls": {"country": "Estria", "population": 9800, "elevation_m": 1250, "founded": 1811},
+    "larkspur": {"country": "Tavia", "population": 301000, "elevation_m": 8, "founded": 1604},
+    "dunmere": {"country": "Norland", "population": 15650, "elevation_m": 620, "founded": 1390},
+}
+UNITS = {  # to a base unit per dimension
+    "km": ("length", 1000.0),
+    "m": ("length", 1.0),
+    "mile": ("length", 1609.344),
+    "miles": ("length", 1609.344),
+    "ft": ("length", 0.3048),
+    "feet": ("length", 0.3048),
+    "kg": ("mass", 1.0),
+    "g": ("mass", 0.001),
+    "lb": ("mass", 0.45359237),
+    "pounds": ("mass", 0.45359237),
+    "l": ("volume", 1.0),
+    "liters": ("volume", 1.0),
+    "gallon": ("volume", 3.785411784),
+    "gallons": ("volume", 3.785411784),
+}
+
+
+def add(a: float, b: float) -> float:
+    """Add two numbers."""
+    return a + b
+
+
+def subtract(a: float, b: float) -> float:
+    """Subtract b from a."""
+    return a - b
+
+
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers."""
+    return a * b
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b."""
+    return a / b
+
+
+def convert_units(value: float, from_unit: str, to_unit: str) -> float:
+    """Convert a value between units: km, m, miles, feet, kg, g, pounds, liters, gallons, celsius, fahrenheit."""
+    f, t = from_unit.strip().lower(), to_unit.strip().lower()
+    temps = {"c": "c", "celsius": "c", "f": "f", "fahrenheit": "f"}
+    if f in temps and t in temps:
+        if temps[f] == temps[t]:
+            return value
+        return value * 9 / 5 + 32 if temps[f] == "c" else (value - 32) * 5 / 9
+    if f not in UNITS or t not in UNITS or UNITS[f][0] != UNITS[t][0]:
+        raise ValueError(f"cannot convert {from_unit} to {to_unit}")
+    return round(value * UNITS[f][1] / UNITS[t][1], 4)
+
+
+def city_info(city: str) -> str:
+    """Look up a city in the city table: its country, population, elevation in meters and founding year."""
+    row = CITIES.get(city.strip().lower())
+    if row is None:
+        raise ValueError(f"no city named {city!r}; known: {', '.join(c.title() for c in CITIES)}")
+    return json.dumps(row)
+
+
+class Flaky:
+    """``stock_level``: fails on its first call of each task (a timeout), then answers."""
+
+    def __init__(self) -> None:
+        self.stock = {"bolts": 340, "nuts": 125, "washers": 560}
+        self.failed = False
+
+    def __call__(self, item: str) -> int:
+        if not self.failed:
+            self.failed = True
+            raise TimeoutError("the stock service timed out; try again")
+        return self.stock[item.strip().lower()]
+
+
+def stock_level(item: str) -> int:
+    """How many units of an item (bolts, nuts, washers) are in stock."""
+    raise NotImplementedError  # replaced per task by a Flaky instance (signature and docstring only)
+
+
+ARITH = [add, subtract, multiply, divide]
+TOOLSETS: dict[str, list[Callable[..., Any]]] = {
+    "arith": ARITH,
+    "convert": [convert_units],
+    "city": [city_info],
+    "stock": [stock_level],
+    "city+arith": [city_info, *ARITH],
+    "city+convert": [city_info, convert_units],
+    "all": [*ARITH, convert_units, city_info],
+}
+
+
+def _t(kind: str, question: str, answer: float | str, tools: str) -> dict[str, Any]:
+    return {"kind": kind, "question": question, "answer": answer, "tools": tools}
+
+
+TASKS: list[dict[str, Any]] = [
+    # one-step arithmetic
+    _t("arith-1", "What is 12 times 7?", 84, "arith"),
+    _t("arith-1", "What is 348 plus 275?", 623, "arith"),
+    _t("arith-1", "What is 1000 minus 357?", 643, "arith"),
+    _t("arith-1", "What is 144 divided by 16?", 9, "arith"),
+    _t("arith-1", "Multiply 23 by 19.", 437, "arith"),
+    _t("arith-1", "Add 4.5 and 7.25.", 11.75, "arith"),
+    _t("arith-1", "What is 81 divided by 4?", 20.25, "arith"),
+    _t("arith-1", "Subtract 58 from 203.", 145, "arith"),
+    _t("arith-1", "What is 37 times 41?", 1517, "arith"),
+    _t("arith-1", "What is 9876 plus 1234?", 11110, "arith"),
+    # multi-step arithmetic
+    _t("arith-n", "What is 12 times 7, plus 5? Use the tools.", 89, "arith"),
+    _t("arith-n", "What is (15 plus 27) times 3?", 126, "arith"),
+    _t("arith-n", "What is 100 minus 36, divided by 8?", 8, "arith"),
+    _t("arith-n", "Multiply 6 by 7, then add 58.", 100, "arith"),
+    _t("arith-n", "What is 25 times 4 times 3?", 300, "arith"),
+    _t("arith-n", "Add 13 and 29, then multiply the sum by 2, then subtract 4.", 80, "arith"),
+    _t("arith-n", "What is 500 divided by 4, minus 25?", 100, "arith"),
+    _t("arith-n", "A box holds 24 pens. How many pens are in 17 boxes plus 9 loose pens?", 417, "arith"),
+    # unit conversions
+    _t("convert", "How many miles is 42 km?", 26.0976, "convert"),
+    _t("convert", "Convert 100 degrees Fahrenheit to Celsius.", 37.7778, "convert"),
+    _t("convert", "How many pounds is 5 kg?", 11.0231, "convert"),
+    _t("convert", "Convert 30 degrees Celsius to Fahrenheit.", 86, "convert"),
+    _t("convert", "How many feet is 1000 m?", 3280.84, "convert"),
+    _t("convert", "How many liters are 3 gallons?", 11.3562, "convert"),
+    _t("convert", "Convert 2500 g to kg.", 2.5, "convert"),
+    _t("convert", "How many km is 26.2 miles?", 42.1648, "convert"),
+    # look-ups in the city table
+    _t("lookup", "What is the population of Velmora?", 48200, "city"),
+    _t("lookup", "In which country is Quenby?", "Norland", "city"),
+    _t("lookup", "How high above sea level is Ostrava Falls, in meters?", 1250, "city"),
+    _t("lookup", "When was Larkspur founded?", 1604, "city"),
+    _t("lookup", "What is the population of Dunmere?", 15650, "city"),
+    _t("lookup", "Which country is Larkspur in?", "Tavia", "city"),
+    _t("lookup", "What is the elevation of Quenby in meters?", 45, "city"),
+    _t("lookup", "In what year was Velmora founded?", 1287, "city"),
+    # no tool needed
+    _t("no-tool", "What is the capital of France?", "Paris", "all"),
+    _t("no-tool", "What color is a clear daytime sky? Answer in one word.", "blue", "all"),
+    _t("no-tool", "How many days are in a week?", 7, "all"),
+    # a tool that fails once
+    _t("flaky", "How many bolts are in stock?", 340, "stock"),
+    _t("flaky", "How many washers are in stock?", 560, "stock"),
+    _t("flaky", "How many nuts are in stock?", 125, "stock"),
+    # two different tools
+    _t("two-tools", "What is the elevation of Ostrava Falls in feet?", 4101.05, "city+convert"),
+    _t("two-tools", "What is the combined population of Velmora and Dunmere?", 63850, "city+arith"),
+    _t("two-tools", "How many years after Velmora was Quenby founded?", 255, "city+arith"),
+    _t("two-tools", "What is the elevation of Dunmere in feet?", 2034.12, "city+convert"),
+]
+for _n, _task in enumerate(TASKS):
+    _task["id"] = f"{_task['kind']}-{_n:02d}"
+
+
+def task_tools(task: dict[str, Any]) -> list[Callable[..., Any]]:
+    """The task's tools (a fresh flaky stock tool each task)."""
+    out: list[Callable[..., Any]] = []
+    for fn in TOOLSETS[task["tools"]]:
+        if fn is stock_level:
+            flaky = Flaky()
+
+            @functools.wraps(stock_level)
+            def fresh(item: str, _flaky: Flaky = flaky) -> int:
+                return _flaky(item)
+
+            fresh.__wrapped__ = stock_level
+            out.append(fresh)
+        else:
+            out.append(fn)
+    return out
+
+
+# -- grading ---------------------------------------------------------------------------------------
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_RAW_CALL = re.compile(r'<tool_call>|[{\[]\s*"(?:name|arguments|function)"\s*:')
+
+
+def is_raw_call(text: str) -> bool:
+    """The final answer is (or holds) tool-call markup or call JSON."""
+    return bool(_RAW_CALL.search(text))
+
+
+def grade(answer: float | str, text: str) -> bool:
+    """The expected number within 1% (or 0.01) among the answer's numbers, or the expected word."""
+    if isinstance(answer, str):
+        return answer.lower() in text.lower()
+    for m in _NUMBER.findall(text):
+        try:
+            value = float(m.replace(",", ""))
+        except ValueError:
+            continue
+        if math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01):
+            return True
+    return False
+
+
+# -- rows ------------------------------------------------------------------------------------------
+@functools.cache
+def specem_engine(row: str, max_tokens: int) -> Any:
+    from specem_core import SpecEM
+
+    members = PRESET_MEMBERS[row]
+    kwargs: dict[str, Any] = {"backend": "llamacpp", "max_new_tokens": max_tokens}
+    if members:
+        return SpecEM.from_preset("quality", members=members, **kwargs)
+    return SpecEM.from_preset(row, **kwargs)
+
+
+@functools.cache
+def peer_llama(model: str) -> Any:
+    from llama_cpp import Llama
+
+    from specem_core.backends.llama_cpp import default_threads
+    from specem_core.models import find_packaged, packaged_gguf
+
+    packaged = find_packaged(model)
+    assert packaged is not None, model
+    threads = default_threads()
+    return Llama(str(packaged_gguf(packaged)), n_ctx=8192, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def _openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Arguments as dicts (Qwen's template applies ``tojson`` to them) and no ``None`` contents."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function", {}))
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):
+                        fn["arguments"] = json.loads(fn["arguments"])
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def peer_complete(
+    model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """(content, calls as ``{"id", "name", "arguments"}``) from llama-cpp-python's chat completion."""
+    from specem_core.tools import parse_tool_calls
+
+    llm = peer_llama(model)
+    out = llm.create_chat_completion(
+        _openai_messages(messages),
+        tools=tools or None,
+        tool_choice="auto" if tools else None,
+        temperature=0.0,
+        max_tokens=max_tokens,
+    )
+    msg = out["choices"][0]["message"]
+    content = msg.get("content") or ""
+    calls = [
+        {
+            "id": c.get("id") or f"call_{n}",
+            "name": c["function"]["name"],
+            "arguments": json.loads(c["function"]["arguments"]),
+        }
+        for n, c in enumerate(msg.get("tool_calls") or [])
+    ]
+    if not calls and tools:  # the Jinja template path returns <tool_call> text unparsed (#1784)
+        parsed = parse_tool_calls(content, tools)
+        content = parsed.content
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+    return content, calls
+
+
+def peer_chat_model(model: str, max_tokens: int) -> Any:
+    """A LangChain chat model over :func:`peer_complete` (tool calls as AIMessage.tool_calls)."""
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import AIMessage, BaseMessage, convert_to_openai_messages
+    from langchain_core.outputs import ChatGeneration, ChatResult
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+    from pydantic import Field
+
+    class PeerChat(BaseChatModel):
+        tools: list[dict[str, Any]] = Field(default_factory=list)
+
+        @property
+        def _llm_type(self) -> str:
+            return "llama-cpp-python"
+
+        def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+            return self.model_copy(update={"tools": [convert_to_openai_tool(t) for t in tools]})
+
+        def _generate(
+            self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
+        ) -> ChatResult:
+            msgs = convert_to_openai_messages(messages)
+            content, calls = peer_complete(model, list(msgs), self.tools, max_tokens)
+            tool_calls = [{"name": c["name"], "args": c["arguments"], "id": c["id"]} for c in calls]
+            return ChatResult(generations=[ChatGeneration(message=AIMessage(content, tool_calls=tool_calls))])
+
+    return PeerChat()
+
+
+# -- agent runs ------------------------------------------------------------------------------------
+def run_langgraph(row: str, task: dict[str, Any], system: bool, max_tokens: int) -> dict[str, Any]:
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.runnables import RunnableConfig
+    from langchain_core.tools import StructuredTool, ToolException
+    from langgraph.errors import GraphRecursionError
+
+    from specem_integrations.langchain import ChatSpecEM
+
+    def lc_tool(fn: Callable[..., Any]) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # the agent sees the error and may try again
+                raise ToolException(f"{type(exc).__name__}: {exc}") from exc
+
+        return StructuredTool.from_function(call, handle_tool_error=True)
+
+    tools = [lc_tool(fn) for fn in task_tools(task)]
+    if row in PEERS:
+        model = peer_chat_model(PEERS[row], max_tokens)
+    else:
+        model = ChatSpecEM(engine=specem_engine(row, max_tokens), max_tokens=max_tokens)
+    agent = create_agent(model, tools=tools, system_prompt=SYSTEM_PROMPT if system else None)
+    out: dict[str, Any] = {"limit": False, "error": None}
+    messages: list[Any] = []
+    try:
+        state = agent.invoke(
+            {"messages": [("user", task["question"])]}, RunnableConfig(recursion_limit=RECURSION_LIMIT)
+        )
+        messages = state["messages"]
+    except GraphRecursionError:
+        out["limit"] = True
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    final = messages[-1] if messages else None
+    out["final"] = str(final.content) if isinstance(final, AIMessage) else ""
+    out["tool_calls"] = sum(isinstance(m, ToolMessage) for m in messages)
+    out["steps"] = sum(isinstance(m, AIMessage) for m in messages)
+    return out
+
+
+def run_llamaindex(row: str, task: dict[str, Any], system: bool, max_tokens: int) -> dict[str, Any]:
+    from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
+    from llama_index.core.tools import FunctionTool
+
+    from specem_integrations.llamaindex import SpecEMLLM
+
+    tools = [FunctionTool.from_defaults(fn=fn) for fn in task_tools(task)]
+    llm = SpecEMLLM(engine=specem_engine(row, max_tokens), max_tokens=max_tokens)
+    agent = FunctionAgent(tools=tools, llm=llm, system_prompt=SYSTEM_PROMPT if system else None)
+    out: dict[str, Any] = {"limit": False, "error": None, "tool_calls": 0, "steps": 0, "final": ""}
+
+    async def go() -> None:
+        handler = agent.run(user_msg=task["question"], max_iterations=MAX_ITERATIONS)
+        async for event in handler.stream_events():
+            if isinstance(event, ToolCallResult):
+                out["tool_calls"] += 1
+            elif isinstance(event, AgentOutput):
+                out["steps"] += 1
+        result: Any = await handler
+        out["final"] = str(result.response.content or "")
+
+    try:
+        asyncio.run(go())
+    except Exception as exc:
+        if "max iterations" in str(exc).lower() or type(exc).__name__ == "WorkflowRuntimeError":
+            out["limit"] = True
+        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def run_tasks(
+    args: argparse.Namespace, tasks: list[dict[str, Any]], progress: Callable[[list[dict[str, Any]]], None]
+) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for row in args.rows:
+        for framework in args.frameworks:
+            if framework == "llamaindex" and row in PEERS:
+                continue  # no llama-cpp-python LLM for LlamaIndex installed here: the peer is LangGraph only
+            for system in args.system:
+                for task in tasks:
+                    run = run_langgraph if framework == "langgraph" else run_llamaindex
+                    started = time.perf_counter()
+                    out = run(row, task, system, args.max_tokens)
+                    seconds = time.perf_counter() - started
+                    record = {
+                        "row": row,
+                        "framework": framework,
+                        "system": system,
+                        "task": task["id"],
+                        "kind": task["kind"],
+                        "ok": grade(task["answer"], out["final"]) and not out["limit"] and not out["error"],
+                        "raw_call": is_raw_call(out["final"]),
+                        "seconds": round(seconds, 2),
+                        **out,
+                    }
+                    record["final"] = record["final"][:300]
+                    records.append(record)
+                    progress(records)
+                    print(
+                        f"{row:12s} {framework:10s} sys={int(system)} {task['id']:14s} ok={int(record['ok'])} "
+                        f"calls={out['tool_calls']} steps={out['steps']} {seconds:6.1f}s {out['final'][:60]!r}",
+                        flush=True,
+                    )
+    return records
+
+
+def summarize_tasks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["row"], r["framework"], r["system"]), []).append(r)
+    out = []
+    for (row, framework, system), rs in groups.items():
+        n = len(rs)
+        out.append(
+            {
+                "row": row,
+                "framework": framework,
+                "system": system,
+                "tasks": n,
+                "success": round(sum(r["ok"] for r in rs) / n, 3),
+                "raw_call_finals": sum(r["raw_call"] for r in rs),
+                "limit_hits": sum(r["limit"] for r in rs),
+                "errors": sum(bool(r["error"]) and not r["limit"] for r in rs),
+                "tool_calls_per_task": round(sum(r["tool_calls"] for r in rs) / n, 2),
+                "steps_per_task": round(sum(r["steps"] for r in rs) / n, 2),
+                "seconds_per_task": round(sum(r["seconds"] for r in rs) / n, 1),
+            }
+        )
+    return out
+
+
+# -- BFCL ------------------------------------------------------------------------------------------
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "integer": "integer", "any": None}
+
+
+def bfcl_schema(spec: Any) -> Any:
+    """BFCL's parameter specs as JSON schema (``dict`` → object, ``float`` → number, ``tuple`` →
+    array, ``any`` → no type); other keys kept."""
+    if isinstance(spec, list):
+        return [bfcl_schema(s) for s in spec]
+    if not isinstance(spec, dict):
+        return spec
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        if key == "type" and isinstance(value, str):
+            mapped = _BFCL_TYPES.get(value, value)
+            if mapped is not None:
+                out["type"] = mapped
+        elif key in ("properties",) and isinstance(value, dict):
+            out[key] = {k: bfcl_schema(v) for k, v in value.items()}
+        elif key in ("items", "additionalProperties"):
+            out[key] = bfcl_schema(value)
+        else:
+            out[key] = value
+    return out
+
+
+def bfcl_tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI tool schemas (dots in names become underscores, as BFCL's FC handlers do)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f["name"].replace(".", "_"),
+                "description": f.get("description", ""),
+                "parameters": bfcl_schema(f.get("parameters") or {"type": "dict", "properties": {}}),
+            },
+        }
+        for f in functions
+    ]
+
+
+def _norm(value: Any) -> Any:
+    if isinstance(value, str):
+        return re.sub(r"[ ,./\-_*^]", "", value).lower().replace("'", '"')
+    if isinstance(value, list | tuple):
+        return [_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items()}
+    return value
+
+
+def _type_ok(value: Any, kind: str | None) -> bool:
+    if kind in (None, "any"):
+        return True
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind in ("array", "tuple"):
+        return isinstance(value, list)
+    if kind == "dict":
+        return isinstance(value, dict)
+    return True
+
+
+def bfcl_grade(
+    category: str, functions: list[dict[str, Any]], truth: Any, calls: list[dict[str, Any]]
+) -> tuple[bool, str]:
+    """The leaderboard's AST check in short (``../shared/eval/README.md``)."""
+    if category == "irrelevance":
+        return (not calls), ("" if not calls else "made a call")
+    if len(calls) != 1:
+        return False, f"{len(calls)} calls"
+    call = calls[0]
+    (expected_name, allowed), *_ = truth[0].items()
+    if call["name"] != expected_name.replace(".", "_"):
+        return False, f"wrong function {call['name']}"
+    spec = next(f for f in functions if f["name"] == expected_name)
+    props = (spec.get("parameters") or {}).get("properties", {})
+    required = (spec.get("parameters") or {}).get("required", [])
+    args = call["arguments"] if isinstance(call["arguments"], dict) else {}
+    for name in required:
+        if name not in args:
+            return False, f"missing {name}"
+    for name, value in args.items():
+        if name not in props or name not in allowed:
+            return False, f"unexpected {name}"
+        if not _type_ok(value, props[name].get("type")):
+            return False, f"type of {name}"
+        options = [a for a in allowed[name] if a != ""]
+        if not any(_norm(value) == _norm(a) for a in options):
+            return False, f"value of {name}: {value!r}"
+    for name, options in allowed.items():
+        if name not in args and "" not in options:
+            return False, f"missing optional-without-default {name}"
+    return True, ""
+
+
+def load_bfcl(directory: Path, category: str, limit: int | None) -> list[tuple[dict[str, Any], Any]]:
+    path = directory / BFCL_FILES[category]
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
+    answers: dict[str, Any] = {}
+    answer_path = directory / f"possible_answer_{BFCL_FILES[category]}"
+    if answer_path.exists():
+        for line in answer_path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                answers[row["id"]] = row["ground_truth"]
+    return [(c, answers.get(c["id"])) for c in cases]
+
+
+def run_bfcl(args: argparse.Namespace) -> list[dict[str, Any]]:
+    records = []
+    for row in args.rows:
+        for category in args.bfcl:
+            for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit):
+                messages = case["question"][0]
+                tools = bfcl_tools(case["function"])
+                started = time.perf_counter()
+                error = None
+                calls: list[dict[str, Any]] = []
+                try:
+                    if row in PEERS:
+                        _, calls = peer_complete(PEERS[row], messages, tools, args.bfcl_max_tokens)
+                    else:
+                        result = specem_engine(row, args.max_tokens).generate(
+                            messages, tools=tools, max_new_tokens=args.bfcl_max_tokens
+                        )
+                        calls = [{"name": c.name, "arguments": c.arguments} for c in result.tool_calls]
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"[:300]
+                ok, why = bfcl_grade(category, case["function"], truth, calls) if error is None else (False, error)
+                seconds = time.perf_counter() - started
+                records.append(
+                    {
+                        "row": row,
+                        "category": category,
+                        "id": case["id"],
+                        "ok": ok,
+                        "why": why,
+                        "calls": calls,
+                        "seconds": round(seconds, 2),
+                    }
+                )
+                print(f"{row:12s} bfcl {category:11s} {case['id']:28s} ok={int(ok)} {seconds:5.1f}s {why}", flush=True)
+    return records
+
+
+def summarize_bfcl(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["row"], r["category"]), []).append(r)
+    return [
+        {
+            "row": row,
+            "category": category,
+            "cases": len(rs),
+            "accuracy": round(sum(r["ok"] for r in rs) / len(rs), 3),
+            "seconds_per_case": round(sum(r["seconds"] for r in rs) / len(rs), 2),
+        }
+        for (row, category), rs in groups.items()
+    ]
+
+
+# -- driver ----------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", nargs="+", default=["quality", "fast", "one-1.5b", "peer-1.5b"])
+    parser.add_argument(
+        "--frameworks", nargs="+", default=["langgraph", "llamaindex"], choices=["langgraph", "llamaindex"]
+    )
+    parser.add_argument("--system", choices=["off", "on", "both"], default="both", help="the plain system prompt")
+    parser.add_argument("--tasks", type=int, default=None, help="the first N tasks (default: all 44)")
+    parser.add_argument("--kinds", nargs="+", default=None, help="only these task kinds")
+    parser.add_argument("--stride", type=int, default=1, help="every Nth task (a spread over the kinds)")
+    parser.add_argument("--only", choices=["agents", "bfcl"], default=None)
+    parser.add_argument("--bfcl", nargs="+", default=list(BFCL_FILES), choices=list(BFCL_FILES))
+    parser.add_argument("--bfcl-dir", type=Path, default=BFCL_DIR)
+    parser.add_argument("--bfcl-limit", type=int, default=None, help="the first N cases of each category")
+    parser.add_argument("--bfcl-max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per model call")
+    parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 tasks, 1 BFCL case each")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.rows = ["one-smollm2", "peer-smollm2"]
+        args.tasks, args.kinds, args.system, args.bfcl_limit = 2, None, "off", 1
+        args.max_tokens, args.bfcl_max_tokens = 32, 48
+        args.out = args.out if args.out != RESULTS else Path(os.devnull)
+    args.system = {"off": [False], "on": [True], "both": [False, True]}[args.system]
+    tasks = [t for t in TASKS if args.kinds is None or t["kind"] in args.kinds]
+    if args.smoke:
+        tasks = [TASKS[0], TASKS[26]]  # one arithmetic call, one look-up
+    tasks = tasks[:: args.stride]
+    tasks = tasks[: args.tasks] if args.tasks else tasks
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    bfcl: list[dict[str, Any]] = []
+
+    def write(complete: bool) -> None:
+        result = {
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "settings": {
+                **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
+                "recursion_limit": RECURSION_LIMIT,
+                "max_iterations": MAX_ITERATIONS,
+                "system_prompt": SYSTEM_PROMPT,
+                "task_ids": [t["id"] for t in tasks],
+            },
+            "complete": complete,
+            "seconds": round(time.perf_counter() - started, 1),
+            "agents": {"summary": summarize_tasks(records), "records": records},
+            "bfcl": {"summary": summarize_bfcl(bfcl), "records": bfcl},
+        }
+        if str(args.out) != os.devnull:  # after every record too: a run cut short keeps what it did
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    if args.only != "bfcl":
+
+        def progress(done: list[dict[str, Any]]) -> None:
+            records[:] = done
+            write(False)
+
+        run_tasks(args, tasks, progress)
+    if args.only != "agents":
+        bfcl = run_bfcl(args)
+    write(True)
+    for line in [*summarize_tasks(records), *summarize_bfcl(bfcl)]:
+        print(json.dumps(line))
+    if str(args.out) != os.devnull:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
