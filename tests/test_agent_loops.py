@@ -82,6 +82,17 @@ def test_the_retry_goes_on_in_words_after_the_opener() -> None:
     assert result.content == "The result is 84, so 12 times 7 is 84."
 
 
+def test_call_json_that_does_not_parse_after_a_result_becomes_words() -> None:
+    def doubled(request: SessionRequest, committed: str) -> str:  # seen on the quality preset
+        return "{" + bare_call("city_info", 1, 2) if request.tools else ("" if committed else "{")
+
+    result = engine(Writer("a", doubled)).generate(REPEAT_HISTORY, tools=TOOLS)
+    assert result.content == "The result is 84."
+    assert result.tool_calls == []
+    first = engine(Writer("a", doubled)).generate(QUESTION, tools=TOOLS)  # no result yet: left as it is
+    assert first.tool_calls == []
+
+
 def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[str, Any]], Any]:
     """A minimal agent loop: call the model, run its calls, until it answers without calls."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]

@@ -322,8 +322,9 @@ class OutputPlan:
         """Post-process a request's events: answer-text deltas, calls on the final event.
 
         With ``tool_choice="auto"``, an answer whose calls all repeat calls already answered in
-        ``messages`` (same tool, same arguments) brings nothing new: when ``answer_instead`` is
-        given, its events (a run without tools) replace the final event.
+        ``messages`` (same tool, same arguments) brings nothing new, and after tool results an
+        answer with only unparseable calls or call JSON as content would end the loop on junk:
+        when ``answer_instead`` is given, its events (a run without tools) replace the final event.
         """
         if self.answering:
             yield from self._answer(events, messages)
@@ -340,7 +341,7 @@ class OutputPlan:
                 if (
                     answer_instead is not None
                     and self.choice.mode == "auto"
-                    and repeats_answered_calls(result.tool_calls, messages)
+                    and (repeats_answered_calls(result.tool_calls, messages) or _unusable_final(result, messages))
                 ):
                     yield from answer_instead()
                     return
@@ -364,6 +365,16 @@ class OutputPlan:
                 yield dataclasses.replace(event, delta=stream.finish(words), result=result)
             else:
                 yield dataclasses.replace(event, delta=stream.feed(text))
+
+
+def _unusable_final(result: GenerationResult, messages: Sequence[Mapping[str, Any]]) -> bool:
+    """After tool results, an answer with no call a framework can run whose content is call JSON
+    that did not parse (e.g. ``{{"name": ...}}``) or that holds only invalid calls: it would end
+    the agent loop on junk or on an empty message."""
+    if result.tool_calls or not tool_rounds(messages):
+        return False
+    content = (result.content or "").strip()
+    return bool(result.invalid_tool_calls) or answer_words(content) != content
 
 
 def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
