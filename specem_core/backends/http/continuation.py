@@ -14,7 +14,7 @@ CONTINUE_PROMPT = (
     '"{anchor}" exactly, then go on with the rest of the answer. Do not restart the answer, do not '
     "add any comment, and do not use the tags."
 )
-"""Shown to chat models that cannot continue an assistant message (documented in the README).
+"""Shown to chat models that cannot continue an assistant message (members guide, "A closed model as a judge").
 The reply is spliced onto the answer at the repeated words (:func:`splice_continuation`)."""
 
 

@@ -53,7 +53,7 @@ JUDGE_SYSTEM = (
     "(correct, relevant, fluent, and fitting exactly after the answer so far). "
     "Reply with the label letter only."
 )
-"""System prompt of the judge (documented in the README)."""
+"""System prompt of the judge (members guide, "A closed model as a judge")."""
 
 JUDGE_USER = (
     "Conversation:\n{conversation}\n\n"
