@@ -56,6 +56,12 @@ class LlamaCppMember(LocalVocabulary):
             t for t, attr in enumerate(model.token_attrs()) if attr & control and t not in self.stop_ids
         )
 
+    def __repr__(self) -> str:
+        return (
+            f"LlamaCppMember(name={self.name!r}, path={str(self.model.path)!r}, "
+            f"draft={self.can_draft}, verify={self.can_verify})"
+        )
+
     @classmethod
     def from_gguf(
         cls,
@@ -91,12 +97,6 @@ class LlamaCppMember(LocalVocabulary):
     def open(self, request: SessionRequest) -> LlamaCppSession:
         """Render and encode the prompt; the prefill waits for the first draft or score."""
         return LlamaCppSession(self, request)
-
-    def __repr__(self) -> str:
-        return (
-            f"LlamaCppMember(name={self.name!r}, path={str(self.model.path)!r}, "
-            f"draft={self.can_draft}, verify={self.can_verify})"
-        )
 
     # -- tokenizer helpers ------------------------------------------------------------------
     def _tokenize_prompt(self, text: str, add_special: bool) -> list[int]:
