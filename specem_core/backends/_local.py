@@ -178,10 +178,6 @@ class PrefixStore(Generic[T]):
         self._entries: list[CachedPrefix[T]] = []
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
-        self.lookups = 0
-        """Prompts looked up (for tests and benchmarks)."""
-        self.reused_tokens = 0
-        """Tokens served from the store, all lookups together."""
 
     @property
     def tokens(self) -> int:
@@ -201,7 +197,6 @@ class PrefixStore(Generic[T]):
         """
         cap = len(prompt) - 1
         with self._lock:
-            self.lookups += 1
             best: PrefixMatch[T] | None = None
             for entry in self._entries:
                 reused = min(common_prefix(entry.ids, prompt), cap)
@@ -219,7 +214,6 @@ class PrefixStore(Generic[T]):
                 self._entries.remove(best.entry)
             else:
                 best.entry.last_used = next(self._clock)
-            self.reused_tokens += best.reused
             return best
 
     def pop_least_recent(self) -> CachedPrefix[T] | None:
