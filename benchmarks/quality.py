@@ -6,6 +6,7 @@
     python benchmarks/quality.py report          # Markdown tables (+ plot when matplotlib is there)
     python benchmarks/quality.py analyze --against qwen   # per-prompt gains/losses, ties, vote margins
     python benchmarks/quality.py prior-replay arc trio-v6 --against 1.5b   # round 1 again under a fixed prior
+    python benchmarks/quality.py select --candidates 1.5b quality-open1 quality quality-veto   # out of fold
 
 Configurations run on different numbers of prompts are compared on the prompts they share (the
 first n of each data set, in its order); complete runs also get a full-set table.
@@ -29,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the study's package beside this script, also when loaded by path (the tests)
     sys.path.insert(0, str(HERE))
 
-from quality_study import configs, runner, tasks  # noqa: E402  (the parts whose settings tests patch)
+from quality_study import configs, runner, selection, tasks  # noqa: E402  (the parts whose settings tests patch)
 from quality_study.analysis import (  # noqa: E402
     analyze,
     bootstrap_ci,
@@ -158,6 +159,7 @@ __all__ = [
     "run_part",
     "runner",
     "score_ifeval",
+    "selection",
     "sign_test",
     "state_path",
     "table",
@@ -202,8 +204,15 @@ def main() -> None:
     pr = sub.add_parser("prior", help="write a preset's shipped prior from the members-alone runs")
     pr.add_argument("preset")
     sub.add_parser("presets", help="write the presets' measured results (package data) from summary.json")
+    se = sub.add_parser("select", help="choose among candidates out of fold (GSM8K + IFEval dev), report out of fold")
+    se.add_argument("--candidates", nargs="+", required=True, choices=sorted(CONFIGS), help="cheaper/simpler first")
+    se.add_argument("--reference", default="1.5b", choices=sorted(CONFIGS), help="the best member alone")
+    se.add_argument("--folds", type=int, default=5)
+    se.add_argument("--out", default="selection.json", help="file name under benchmarks/results/quality")
     args = parser.parse_args()
-    if args.command == "prior":
+    if args.command == "select":
+        print(selection.write(selection.select(args.candidates, args.reference, args.folds), args.out))
+    elif args.command == "prior":
         print(write_prior(args.preset))
     elif args.command == "presets":
         print(preset_results())

@@ -32,6 +32,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "token_healing": False,
     "self_vote": "keep",
     "trusted_opening_rounds": 0,
+    "trusted_veto": False,
     "segment_boundary": "tokens",
 }
 
@@ -44,7 +45,8 @@ class SpecEMConfig:
     which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
     ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
     ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False``, ``token_healing=False``,
-    ``self_vote="keep"``, ``trusted_opening_rounds=0`` and ``segment_boundary="tokens"``. Each production
+    ``self_vote="keep"``, ``trusted_opening_rounds=0``, ``trusted_veto=False`` and
+    ``segment_boundary="tokens"``. Each production
     default that differs from the authors' code is one of those named options.
 
     Example:
@@ -133,6 +135,16 @@ class SpecEMConfig:
     docs/reports/quality.md, "The held-out task"; the presets' setting:
     :mod:`specem_core.presets`). No effect without member weights or when a tie in the prior names
     no single member. 0 (default): off."""
+    trusted_veto: bool = False
+    """Another member's candidate is committed only when the trusted member (as in
+    ``trusted_opening_rounds``) scores it at least as high as its own draft; otherwise the trusted
+    member's draft is committed, whatever the vote. The ensemble then searches only among
+    continuations the member the prior trusts agrees with: the weaker member can still win a
+    round, but not against the trusted member's own judgement (what it measured, out of fold:
+    docs/reports/quality.md, "Choosing the default out of sample"). No effect without member
+    weights, when a tie in the prior names no single member, or in a round where the trusted
+    member drafted or verified nothing. ``False`` (default): the vote alone decides.
+    """
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True
@@ -233,6 +245,7 @@ _BOOL_FIELDS = (
     "hedge",
     "model_exit",
     "exit_keep_trusted",
+    "trusted_veto",
     "eos_voting",
     "draft_hints",
     "faithful",

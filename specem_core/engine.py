@@ -391,6 +391,8 @@ class _Run:
         self.excluded: list[Exclusion] = []
         self.usage = [MemberUsage(member=m.name) for m in self.members]
         self.exited: set[int] = set()
+        self.trusted: int | None = None
+        """The member the prior trusts most (:meth:`_trusted_drafter`), fixed at the start."""
         self.opening_drafter: int | None = None
         """The trusted member that drafts the first rounds alone (``trusted_opening_rounds``)."""
         self.text = ""
@@ -470,7 +472,7 @@ class _Run:
                 choice = self._vote_choice(self.prefill_choices)
                 self.text += choice
                 self._commit(choice, 0, final=False)
-            trusted = self._trusted_drafter(weights)
+            trusted = self.trusted = self._trusted_drafter(weights)
             self.opening_drafter = trusted if cfg.trusted_opening_rounds else None
             exit_rule = (
                 ModelExit(
@@ -680,6 +682,8 @@ class _Run:
         weights = {i: w for i, w in weights.items() if i in self.sessions}
         vote = tally(normalized, verifiers, owners, candidates, weights, cfg, k, learned=self.learned is not None)
         combined, winner = vote.combined, vote.winner
+        if cfg.trusted_veto and raw:
+            winner = self._veto(winner, owners, verifiers, candidates, raw)
         if exit_rule is not None and not opening:  # an unvoted opening is no evidence for exit
             per_member = {owners[n]: combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
@@ -701,6 +705,25 @@ class _Run:
             learning_rate=vote.learning_rate,
         )
         return segment, vote.weights, candidates[winner].ended
+
+    def _veto(
+        self,
+        winner: int,
+        owners: Sequence[int],
+        verifiers: Sequence[int],
+        candidates: Sequence[Candidate],
+        raw: Sequence[Sequence[float]],
+    ) -> int:
+        """``trusted_veto``: the vote's winner stands when the trusted member drafted it, or scores
+        it at least as high as its own draft; otherwise the trusted member's draft wins."""
+        trusted = self.trusted
+        if trusted is None or trusted not in owners or trusted not in verifiers:
+            return winner
+        own = owners.index(trusted)
+        if (candidates[winner].text, candidates[winner].ended) == (candidates[own].text, candidates[own].ended):
+            return winner
+        row = raw[verifiers.index(trusted)]
+        return winner if row[winner] >= row[own] else own
 
     def _draft(self, drafting: list[int], max_tokens: int, k: int) -> dict[int, Draft]:
         """Every drafter's draft. Drafters that would run one after another anyway (one device)

@@ -99,9 +99,19 @@ class Preset:
         return dict(data.get("calibration") or {})
 
     def results(self) -> dict[str, dict[str, Any]]:
-        """What the preset measured: ``{task: {metric: value, "n": n, "best_member": value, ...}}``."""
+        """What the preset's setting measured on each dev set, in sample: ``{task: {metric: value,
+        "n": n, "best_member": value, ...}}``."""
         table = _read_json("preset_results.json", what="the presets' measured results")
-        return dict(table.get(self.name) or {})
+        return {task: dict(v) for task, v in (table.get(self.name) or {}).items() if task != "out_of_fold"}
+
+    def out_of_fold(self) -> dict[str, Any]:
+        """The figure to trust: the preset's setting chosen among candidates on k-1 folds of the dev
+        sets and graded on the fold it never saw, put together over the folds (``{"k": k,
+        "candidates": [...], "chosen_on_all_folds": name, task: {"score", "reference", "gained",
+        "lost", "sign_test_p", "ci95"}}``); ``{}`` where the protocol was not run. How:
+        docs/reports/quality.md, "Choosing the default out of sample"."""
+        table = _read_json("preset_results.json", what="the presets' measured results")
+        return dict((table.get(self.name) or {}).get("out_of_fold") or {})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON, as ``specem presets --json`` prints it."""
@@ -113,6 +123,7 @@ class Preset:
             "config": dict(self.config),
             "prior": self.calibration() or None,
             "results": self.results(),
+            "out_of_fold": self.out_of_fold() or None,
         }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from specem_core.errors import ModelNotFoundError
+from specem_core.errors import ConfigError, ModelNotFoundError
 from specem_core.models import (
     DEFAULT_MODELS,
     PackagedModel,
@@ -214,6 +214,12 @@ def _load_http(
 ) -> Member:
     from specem_core.backends.http.factory import member_from_spec
 
+    local = sorted(set(kwargs) & {"n_ctx", "prefix_cache", "prefix_cache_tokens"})
+    if local:
+        raise ConfigError(
+            f"{', '.join(local)} set for server member {resolved.source!r}: these are options of local members; "
+            "a server keeps its own window and prefix cache (vLLM: --max-model-len, --enable-prefix-caching)"
+        )
     options: dict[str, Any] = dict(kwargs)
     if "tokenizer" in options:
         options["tokenizer"] = resolve_tokenizer(options["tokenizer"])
@@ -249,9 +255,15 @@ def _load_transformers(
         source = resolved.source
         default_name = Path(spec).name.removesuffix(".gguf")
         draft = True if can_draft is None else can_draft
+    if "n_ctx" in kwargs:
+        raise ConfigError(
+            f"n_ctx set for transformers member {spec!r}: it is an option of llama.cpp members; a transformers "
+            "member reads up to its model's max_position_embeddings"
+        )
     options: dict[str, Any] = {"chat_template": kwargs.pop("chat_template", None)}
-    if "request_batch_size" in kwargs:
-        options["request_batch_size"] = kwargs.pop("request_batch_size")
+    for option in ("request_batch_size", "prefix_cache", "prefix_cache_tokens"):  # the member's, not the weights'
+        if option in kwargs:
+            options[option] = kwargs.pop(option)
     key = (source, str(device), str(dtype))
     with _LOCK:
         loaded = _LOADED.get(key)

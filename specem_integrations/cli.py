@@ -99,6 +99,27 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
     _backend_argument(parser)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument(
+        "--n-ctx",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="context window of each llama.cpp member (default: the model's trained length, capped so that one "
+        "context's KV cache is at most 256 MiB: 8192 for the 1.5B)",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="local members forget a request's KV rows when it ends (default: kept, so the next turn of a chat "
+        "or another request with the same system prompt prefills only its new tokens)",
+    )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="budget of each local model's prefix cache, in tokens (default 16384)",
+    )
+    parser.add_argument(
         "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
     )
     if not serving:  # in `specem serve`, --api-key-env is the key clients must send
@@ -395,7 +416,14 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(msg, file=err, flush=True)
 
-    return {"log": log, "api_key_env": args.member_api_key_env}
+    options: dict[str, Any] = {"log": log, "api_key_env": args.member_api_key_env}
+    if getattr(args, "n_ctx", None) is not None:
+        options["n_ctx"] = args.n_ctx
+    if getattr(args, "no_prefix_cache", False):
+        options["prefix_cache"] = False
+    if getattr(args, "prefix_cache_tokens", None) is not None:
+        options["prefix_cache_tokens"] = args.prefix_cache_tokens
+    return options
 
 
 def _engine(args: argparse.Namespace, err: TextIO) -> tuple[SpecEM, Preset | None]:
@@ -494,6 +522,20 @@ def _presets(args: argparse.Namespace, out: TextIO) -> int:
         if row["prior"]:
             scores = ", ".join(f"{m} {v:.1f}" for m, v in row["prior"]["scores"].items())
             out.write(f"    prior: each member alone on {row['prior']['examples']} labelled dev examples ({scores})\n")
+        oof = row["out_of_fold"]
+        if oof:
+            out.write(
+                f"    out of fold ({oof['k']} folds; chosen among {', '.join(oof['candidates'])} on the other folds):\n"
+            )
+            for task in ("gsm8k", "ifeval"):
+                if task in oof:
+                    f = oof[task]
+                    out.write(
+                        f"      {task} (n={f['n']}): {f['score']:.1f} against {f['reference']:.1f} for "
+                        f"{oof['reference']} alone (+{f['gained']} / -{f['lost']}, p={f['sign_test_p']:.2f}, "
+                        f"95% CI {f['ci95'][0]:+.1f} to {f['ci95'][1]:+.1f} points)\n"
+                    )
+            out.write("    in sample (the setting's own records, on the data its choice saw):\n")
         for task, figures in row["results"].items():
             metric = next(iter(figures))
             timing = (

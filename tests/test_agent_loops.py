@@ -93,6 +93,21 @@ def test_call_json_that_does_not_parse_after_a_result_becomes_words() -> None:
     assert first.tool_calls == []
 
 
+def test_a_call_written_with_doubled_braces_is_a_call_before_results_and_words_after() -> None:
+    """Issue 45's final answer ``{{"name": "multiply", ...}`` (braces doubled as in a str.format
+    prompt): before any result it is the call the framework runs; repeated after the result it is
+    answered in words, never left as content."""
+
+    def doubled(request: SessionRequest, committed: str) -> str:
+        return "{" + bare_call("multiply", 12, 7) if request.tools else ("" if committed else "{")
+
+    first = engine(Writer("a", doubled)).generate(QUESTION, tools=TOOLS)
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [("multiply", {"a": 12, "b": 7})]
+    assert first.content == ""
+    again = engine(Writer("a", doubled)).generate(REPEAT_HISTORY, tools=TOOLS)
+    assert (again.content, again.tool_calls) == ("The result is 84.", [])
+
+
 def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[str, Any]], Any]:
     """A minimal agent loop: call the model, run its calls, until it answers without calls."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]

@@ -292,3 +292,25 @@ def test_calibrate_writes_a_prior_the_chat_command_loads(
     ):
         assert main([*args, "--force", *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(tiny_dirs: list[str]) -> None:
+    """``--no-prefix-cache`` / ``--prefix-cache-tokens`` reach a local member; ``--n-ctx`` is refused
+    with the reason for a transformers member and for a server member (no silent no-op)."""
+    import io
+
+    from specem_core import ConfigError
+    from specem_integrations.cli import _engine, _parser
+
+    options = ["--backend", "transformers", "--no-prefix-cache", "--prefix-cache-tokens", "512"]
+    args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], *options])
+    engine, _ = _engine(args, io.StringIO())
+    (member,) = engine.members
+    assert (member.prefix_cache, member.prefixes.budget_tokens) == (False, 512)
+    args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], "--backend", "transformers"])
+    engine, _ = _engine(args, io.StringIO())  # the same weights again: the default options, not the last ones
+    assert engine.members[0].prefix_cache is True
+    for model, named in ((tiny_dirs[0], "transformers member"), ("openai:http://127.0.0.1:9/v1#m", "server member")):
+        args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
+        with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
+            _engine(args, io.StringIO())

@@ -212,6 +212,36 @@ def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
     assert SpecEMConfig(trusted_opening_rounds=3, faithful=True).trusted_opening_rounds == 0
 
 
+@pytest.mark.parametrize(
+    ("trusted_rates_a", "veto", "winner"),
+    [
+        (1.0, False, "a"),  # the vote alone: the weaker member's confident row carries it
+        (1.0, True, "b"),  # b rates a's segment below its own draft: b's draft is committed
+        (2.0, True, "a"),  # b rates it as high as its own: the vote's winner stands
+    ],
+)
+def test_trusted_veto_commits_another_members_segment_only_when_the_trusted_member_agrees(
+    trusted_rates_a: float, veto: bool, winner: str
+) -> None:
+    a = ScriptedMember("a", drafts=[("a ", False)], scorer=lambda committed, c: 100.0 if c.text == "a " else 1.0)
+    b = ScriptedMember(
+        "b", drafts=[("b ", False)], scorer=lambda committed, c: trusted_rates_a if c.text == "a " else 2.0
+    )
+    cfg = SpecEMConfig(trusted_veto=veto, hedge=False, max_new_tokens=1)
+    result = SpecEM([a, b], cfg, weights=MemberWeights({"a": 1.0, "b": 1.1}, learning_rate=0.0)).generate("q")
+    (segment,) = result.segments
+    assert segment.winner == winner
+    assert max(range(2), key=segment.combined.__getitem__) == 0  # the vote itself picked a every time
+    assert SpecEMConfig(trusted_veto=True, faithful=True).trusted_veto is False
+
+
+def test_trusted_veto_without_member_weights_changes_nothing() -> None:
+    a = ScriptedMember("a", drafts=[("a ", False)], scorer=lambda committed, c: 100.0 if c.text == "a " else 1.0)
+    b = ScriptedMember("b", drafts=[("b ", False)], scorer=lambda committed, c: 1.0 if c.text == "a " else 2.0)
+    result = SpecEM([a, b], SpecEMConfig(trusted_veto=True, hedge=False, max_new_tokens=1)).generate("q")
+    assert result.segments[0].winner == "a"
+
+
 def test_a_failing_trusted_opener_is_excluded_and_the_others_write_the_answer() -> None:
     a = ScriptedMember("a", drafts=[("a ", False), ("done", True)])
     b = ScriptedMember("b", drafts=[("b ", False)], fail_on={"draft"})

@@ -383,3 +383,43 @@ def test_prior_replay_decides_round_one_again_under_a_fixed_prior(quality: Any) 
         quality.prior_replay("gsm8k", "trio-v6", "1.5b")
     with pytest.raises(SystemExit, match="cross-fitted"):
         quality.prior_replay("arc", "trio-paper", "1.5b")
+
+
+def test_select_chooses_on_the_other_folds_and_reports_on_the_held_out_one(quality: Any) -> None:
+    """Three folds of one prompt each. ``good`` gains on two folds and loses on the third: chosen
+    where its loss is outside the selection folds, not where the loss is all the selection sees.
+    The out-of-fold figure (+0 / -1 on GSM8K) is below its in-sample one (+1 / -1): what choosing on
+    the reporting data hides."""
+    tasks = quality.tasks
+    outcomes = {  # per task, right (True) or wrong on the three prompts, in data-set order
+        "ref": {"gsm8k": [True, False, True], "arc": [True, False, True]},
+        "good": {"gsm8k": [True, True, False], "arc": [True, True, True]},
+        "bad": {"gsm8k": [False, False, False], "arc": [False, False, False]},
+    }
+    for task in ("gsm8k", "arc"):
+        (tasks.RESULTS / task).mkdir(parents=True, exist_ok=True)
+        rows = quality.load_rows(task, None)
+        for name, by_task in outcomes.items():
+            recs = []
+            for row, right in zip(rows, by_task[task], strict=True):
+                key = quality.prompt_of(task, row)[0]
+                if task == "gsm8k":
+                    response = f"so {row['final'] if right else 'none'}"
+                else:
+                    wrong = next(label for label in row["choices"]["label"] if label != row["answerKey"])
+                    response = row["answerKey"] if right else wrong
+                recs.append({"key": key, "response": response})
+            (tasks.RESULTS / task / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    result = quality.selection.select(["ref", "good", "bad"], "ref", 3, ("gsm8k", "arc"))
+    assert [f["chosen"] for f in result["folds"]] == ["good", "ref", "good"]
+    oof = result["out_of_fold"]
+    assert (oof["gsm8k"]["gained"], oof["gsm8k"]["lost"], oof["arc"]["gained"], oof["arc"]["lost"]) == (0, 1, 0, 0)
+    in_sample = result["in_sample"]["good"]
+    assert (in_sample["gsm8k"]["gained"], in_sample["gsm8k"]["lost"], in_sample["arc"]["gained"]) == (1, 1, 1)
+    assert result["chosen_on_all_folds"] == "good"
+    text = quality.selection.write(result, "selection_test.json")
+    assert "| 1 | ref |" in text
+    written = json.loads((tasks.RESULTS / "folds.json").read_text())
+    assert written["folds"]["gsm8k"] == [[quality.prompt_of("gsm8k", r)[0]] for r in quality.load_rows("gsm8k", None)]
+    with pytest.raises(SystemExit, match="'missing' has no record"):
+        quality.selection.select(["ref", "missing"], "ref", 3, ("gsm8k", "arc"))

@@ -183,7 +183,7 @@ def test_health_counters_add_up() -> None:
 
 def test_the_context_window_error_says_how_to_raise_the_window() -> None:
     """The refusal names the member and its window, and says how to raise it (``n_ctx`` through
-    ``member_kwargs``: the CLI has no option for it)."""
+    ``member_kwargs``, ``load_member`` or the CLI's ``--n-ctx``)."""
     pytest.importorskip("transformers")
     import tiny
 
@@ -198,3 +198,4 @@ def test_the_context_window_error_says_how_to_raise_the_window() -> None:
     assert "'small', whose context window is 64" in message
     assert "member_kwargs={'n_ctx': 4096}" in message
     assert "load_member(..., n_ctx=...)" in message
+    assert "--n-ctx 4096" in message

@@ -176,6 +176,9 @@ def test_parse_repairs_truncated_json():
         '  ```json\n{"name": "magic_function", "parameters": {"input": 3}}\n```',
         '[{"name": "magic_function", "arguments": {"input": 3}}]',
         '{"function": {"name": "magic_function", "arguments": "{\\"input\\": 3}"}}',
+        # braces doubled as in a str.format prompt (issue 45's final answer on the quality preset)
+        '{{"name": "magic_function", "arguments": {"input": 3}}',
+        '{{"name": "magic_function", "arguments": {{"input": 3}}}}',
     ],
 )
 def test_parse_bare_json_calls(text):

@@ -118,6 +118,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # on GSM8K 8 of its 13 lost answers (against the 1.5B alone) and 2 of its 11 gained ones began
     # where the 0.5B won the first voted round, the round that picks the solution's method
     "quality-open1": {"members": [Q15, Q05], "preset": "quality", "config": {"trusted_opening_rounds": 1}},
+    # issue 48: the `quality` preset (two-segment opening) where the 0.5B's candidate is committed only
+    # when the 1.5B itself scores it at least as high as its own draft (``trusted_veto``): on held-out
+    # GSM8K the 0.5B's wins right after the opening set the method of every lost answer read
+    "quality-veto": {
+        "members": [Q15, Q05],
+        "preset": "quality",
+        "config": {"trusted_opening_rounds": 2, "trusted_veto": True},
+    },
 }
 
 

@@ -215,6 +215,18 @@ def preset_results() -> str:
                 entry["time_prompts"] = timing["prompts"]
             out[task] = entry
             lines.append(f"{name} on {task}: {entry[metric]} against {best} {entry['best_member']} (n={n})")
+        selected = tasks.RESULTS / f"selection_{name}.json"
+        if selected.exists():  # the out-of-fold figure (quality_study/selection.py)
+            sel = json.loads(selected.read_text())
+            out["out_of_fold"] = {
+                "k": sel["k"],
+                "reference": sel["reference"],
+                "candidates": sel["candidates"],
+                "chosen_on_all_folds": sel["chosen_on_all_folds"],
+                **sel["out_of_fold"],
+                "source": str(selected.relative_to(tasks.ROOT)),
+            }
+            lines.append(f"{name} out of fold: {sel['out_of_fold']}")
         table[name] = out
     target = configs.PACKAGE_DATA / "preset_results.json"
     target.write_text(json.dumps(table, indent=1) + "\n")
@@ -230,12 +242,22 @@ def preset_table(results: dict[str, dict[str, Any]]) -> str:
     """The presets' results as a Markdown table: score (n) against the best member alone on the
     same prompts, gained / lost and p, and the time against that member where it was measured."""
     head = (
-        "| preset | IFEval prompt strict | GSM8K accuracy | ARC-Easy accuracy | HumanEval pass@1 "
-        "| time vs the best member alone |"
+        "| preset | out of fold, against the best member alone (GSM8K; IFEval) | IFEval prompt strict "
+        "| GSM8K accuracy | ARC-Easy accuracy | HumanEval pass@1 | time vs the best member alone |"
     )
-    rows = [head, "|---|---|---|---|---|---|"]
+    rows = [head, "|---|---|---|---|---|---|---|"]
     for name, tasks_ in results.items():
         cells = [f"`{name}`"]
+        oof = tasks_.get("out_of_fold")
+        if oof:
+            shown = [
+                f"{oof[t]['score']:.1f} vs {oof[t]['reference']:.1f} (+{oof[t]['gained']} / −{oof[t]['lost']}, "
+                f"95% CI {oof[t]['ci95'][0]:+.1f} to {oof[t]['ci95'][1]:+.1f})"
+                for t in ("gsm8k", "ifeval")
+            ]
+            cells.append("; ".join(shown) + f" ({oof['k']} folds, {oof['reference']} alone)")
+        else:
+            cells.append("not run")
         for task in ("ifeval", "gsm8k", "arc", "humaneval"):
             f = tasks_.get(task)
             if f is None:
@@ -247,7 +269,7 @@ def preset_table(results: dict[str, dict[str, Any]]) -> str:
                 f"+{f['gained']} / −{f['lost']}, p = {f['p']:.2f})"
             )
         timed = [f"{f['time_vs_best_member']:.2f}× ({t}, {f['time_prompts']} prompts side by side)"
-                 for t, f in tasks_.items() if "time_vs_best_member" in f]  # fmt: skip
+                 for t, f in tasks_.items() if t != "out_of_fold" and "time_vs_best_member" in f]  # fmt: skip
         cells.append("; ".join(timed) or "not measured")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -363,8 +363,9 @@ class LocalSession(MemberSession):
                 f"the prompt is {len(self._prompt_ids)} tokens for member {member.name!r}, "
                 f"whose context window is {window}; shorten the conversation, or raise the window of a "
                 f"llama.cpp member with n_ctx: member_kwargs={{'n_ctx': {_larger_window(len(self._prompt_ids))}}} "
-                "(SpecEM.from_preset, ChatSpecEM, SpecEMLLM) or load_member(..., n_ctx=...); the CLI has no "
-                "option for it (a transformers member's window is its model's maximum)"
+                f"(SpecEM.from_preset, ChatSpecEM, SpecEMLLM), load_member(..., n_ctx=...) or "
+                f"--n-ctx {_larger_window(len(self._prompt_ids))} (specem chat / serve); a transformers member's "
+                "window is its model's maximum"
             )
         self._text = ""
         self._resp_ids: list[int] = []

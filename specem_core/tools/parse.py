@@ -133,6 +133,18 @@ def loads_lenient(text: str) -> Any:
         return json.loads(body, strict=False)
     except ValueError:
         pass
+    try:
+        return _loads_prefix(body)
+    except ValueError:
+        if "{{" not in body:
+            raise
+    # ``{{"name": ...}}``: braces doubled as in a Python format string (how a call is written in
+    # prompts built with str.format, which small models copy); read with single braces
+    return _loads_prefix(body.replace("{{", "{").replace("}}", "}"))
+
+
+def _loads_prefix(body: str) -> Any:
+    """The first JSON object or array in ``body``: followed by text, or cut short and closed."""
     start = min((i for i in (body.find("{"), body.find("[")) if i != -1), default=-1)
     if start == -1:
         raise ValueError("no JSON object found")

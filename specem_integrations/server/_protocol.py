@@ -101,6 +101,7 @@ class SpecEMOptions(BaseModel):
     exit_keep_trusted: bool | None = None
     exit_agreement_rounds: int | None = None
     trusted_opening_rounds: int | None = None
+    trusted_veto: bool | None = None
     eos_voting: bool | None = None
     draft_hints: bool | None = None
     faithful: bool | None = None
