@@ -208,10 +208,12 @@ def main() -> None:
     se.add_argument("--candidates", nargs="+", required=True, choices=sorted(CONFIGS), help="cheaper/simpler first")
     se.add_argument("--reference", default="1.5b", choices=sorted(CONFIGS), help="the best member alone")
     se.add_argument("--folds", type=int, default=5)
+    se.add_argument("--criterion", choices=selection.CRITERIA, default="lower-bound")
     se.add_argument("--out", default="selection.json", help="file name under benchmarks/results/quality")
     args = parser.parse_args()
     if args.command == "select":
-        print(selection.write(selection.select(args.candidates, args.reference, args.folds), args.out))
+        chosen = selection.select(args.candidates, args.reference, args.folds, criterion=args.criterion)
+        print(selection.write(chosen, args.out))
     elif args.command == "prior":
         print(write_prior(args.preset))
     elif args.command == "presets":

@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -92,6 +93,8 @@ class SpecEM:
             raise ConfigError("no member can draft: at least one member needs can_draft=True")
         if sum(m.can_draft for m in members) > 1 and not any(m.can_verify for m in members):
             raise ConfigError("several drafters but no verifier: set can_verify=True on a member")
+        self._workers: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        """The threads running :meth:`astream` requests (for :meth:`wait_idle`)."""
         self._members = members
         self._config = (config or SpecEMConfig()).replace(**config_overrides)
         if weights is not None and not isinstance(weights, MemberWeights):
@@ -297,6 +300,21 @@ class SpecEM:
         assert result is not None
         return result
 
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait (at most ``timeout`` seconds) until no request runs in a background thread and the
+        members' background work is done (llama.cpp: prefix-cache copies). A process that exits
+        while such a thread is inside a native library call can crash in that library's exit
+        handlers; ``specem serve`` calls this after its shutdown. Returns whether all of it ended.
+        """
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for member in self.members:
+            settle = getattr(getattr(member, "model", None), "settle", None)
+            if callable(settle):
+                settle(max(0.0, deadline - time.monotonic()))
+        return not any(w.is_alive() for w in list(self._workers))
+
     async def astream(
         self,
         messages: Sequence[Mapping[str, Any]] | str,
@@ -344,6 +362,7 @@ class SpecEM:
                 send(("end", None))
 
         worker = threading.Thread(target=pump, name="specem-astream", daemon=True)
+        self._workers.add(worker)
         worker.start()
         try:
             while True:

@@ -386,8 +386,8 @@ def test_prior_replay_decides_round_one_again_under_a_fixed_prior(quality: Any) 
 
 
 def test_select_chooses_on_the_other_folds_and_reports_on_the_held_out_one(quality: Any) -> None:
-    """Three folds of one prompt each. ``good`` gains on two folds and loses on the third: chosen
-    where its loss is outside the selection folds, not where the loss is all the selection sees.
+    """Three folds of one prompt each. By net gain, ``good`` (a gain on two folds, a loss on the
+    third) is chosen where its loss is outside the selection folds, not where it is all they see.
     The out-of-fold figure (+0 / -1 on GSM8K) is below its in-sample one (+1 / -1): what choosing on
     the reporting data hides."""
     tasks = quality.tasks
@@ -410,7 +410,7 @@ def test_select_chooses_on_the_other_folds_and_reports_on_the_held_out_one(quali
                     response = row["answerKey"] if right else wrong
                 recs.append({"key": key, "response": response})
             (tasks.RESULTS / task / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    result = quality.selection.select(["ref", "good", "bad"], "ref", 3, ("gsm8k", "arc"))
+    result = quality.selection.select(["ref", "good", "bad"], "ref", 3, ("gsm8k", "arc"), criterion="net")
     assert [f["chosen"] for f in result["folds"]] == ["good", "ref", "good"]
     oof = result["out_of_fold"]
     assert (oof["gsm8k"]["gained"], oof["gsm8k"]["lost"], oof["arc"]["gained"], oof["arc"]["lost"]) == (0, 1, 0, 0)
@@ -421,5 +421,10 @@ def test_select_chooses_on_the_other_folds_and_reports_on_the_held_out_one(quali
     assert "| 1 | ref |" in text
     written = json.loads((tasks.RESULTS / "folds.json").read_text())
     assert written["folds"]["gsm8k"] == [[quality.prompt_of("gsm8k", r)[0]] for r in quality.load_rows("gsm8k", None)]
+    # the default criterion is a one-sided lower bound: on two prompts a flip each way costs more
+    # than it gains, so the reference (no flips) is chosen on every fold
+    cautious = quality.selection.select(["ref", "good", "bad"], "ref", 3, ("gsm8k", "arc"))
+    assert [f["chosen"] for f in cautious["folds"]] == ["ref", "ref", "ref"]
+    assert cautious["criterion"] == "lower-bound"
     with pytest.raises(SystemExit, match="'missing' has no record"):
         quality.selection.select(["ref", "missing"], "ref", 3, ("gsm8k", "arc"))

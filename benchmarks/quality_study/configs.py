@@ -108,7 +108,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "quality-hints": {
         "members": [Q15, Q05],
         "preset": "quality",
-        "config": {"draft_hints": True, "trusted_opening_rounds": 1},
+        "config": {"draft_hints": True, "trusted_opening_rounds": 1, "trusted_veto": False},
     },
     # quality v3's code setting: `pair-paper` with segments that end at line ends (at most 16 tokens:
     # most lines of a HumanEval solution fit), so the vote compares whole lines of code (under the
@@ -117,7 +117,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # the `quality` preset with the one-segment opening it shipped with before the two-segment one:
     # on GSM8K 8 of its 13 lost answers (against the 1.5B alone) and 2 of its 11 gained ones began
     # where the 0.5B won the first voted round, the round that picks the solution's method
-    "quality-open1": {"members": [Q15, Q05], "preset": "quality", "config": {"trusted_opening_rounds": 1}},
+    "quality-open1": {
+        "members": [Q15, Q05],
+        "preset": "quality",
+        "config": {"trusted_opening_rounds": 1, "trusted_veto": False},
+    },
+    # the `quality` preset before issue 48 (two-segment opening, the vote alone decides): its records
+    # are `quality.jsonl`; the preset now adds the trusted veto (`quality-veto`)
+    "quality": {
+        "members": [Q15, Q05],
+        "preset": "quality",
+        "config": {"trusted_opening_rounds": 2, "trusted_veto": False},
+    },
     # issue 48: the `quality` preset (two-segment opening) where the 0.5B's candidate is committed only
     # when the 1.5B itself scores it at least as high as its own draft (``trusted_veto``): on held-out
     # GSM8K the 0.5B's wins right after the opening set the method of every lost answer read

@@ -255,7 +255,8 @@ def preset_table(results: dict[str, dict[str, Any]]) -> str:
                 f"95% CI {oof[t]['ci95'][0]:+.1f} to {oof[t]['ci95'][1]:+.1f})"
                 for t in ("gsm8k", "ifeval")
             ]
-            cells.append("; ".join(shown) + f" ({oof['k']} folds, {oof['reference']} alone)")
+            where = f"{oof['k']} folds, {oof['reference']} alone; chosen: {oof['chosen_on_all_folds']}"
+            cells.append("; ".join(shown) + f" ({where})")
         else:
             cells.append("not run")
         for task in ("ifeval", "gsm8k", "arc", "humaneval"):

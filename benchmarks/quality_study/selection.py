@@ -7,9 +7,12 @@ The protocol, as ``python benchmarks/quality.py select`` runs it:
    in the data set (position ``i`` goes to fold ``i mod k``); the folds are written to
    ``benchmarks/results/quality/folds.json`` and never change with the candidates.
 2. For each fold ``f``, every candidate is graded on the *other* folds of every task against the
-   reference (the best member alone): net gain = (prompts gained - prompts lost) / prompts, per task.
-   The candidate whose worst task gains most is chosen (ties: the earlier candidate in the list, so
-   list the cheaper or simpler ones first: the member alone before any ensemble).
+   reference (the best member alone), per task, by the criterion (:data:`CRITERIA`): by default a
+   one-sided lower bound of the paired difference, (gained - lost - 1.645·√(gained + lost)) /
+   prompts, because the goal is one-sided ("at or above the best member"): a rule that flips many
+   answers both ways pays for its spread, one that changes little pays little. The candidate whose
+   worst task ranks highest is chosen (then the higher mean net gain; then the earlier candidate in
+   the list, so list the cheaper or simpler ones first).
 3. The chosen candidate's answers on fold ``f`` are the out-of-fold answers of that fold. Put
    together over the folds they give one answer per prompt, none chosen on itself: that is the
    figure to report (per task: score, gained / lost against the reference, sign-test p, bootstrap
@@ -26,6 +29,7 @@ its in-sample score and the protocol's out-of-fold one.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +39,8 @@ from . import tasks
 from .analysis import bootstrap_ci
 from .tasks import load_rows, passes, prompt_of, records
 
+Z_ONE_SIDED = 1.645
+"""z of a one-sided 95% bound."""
 SELECTION_TASKS = ("gsm8k", "ifeval")
 """The dev sets a preset's setting is chosen on (the prior's sets, ``configs.PRIOR_SETS``)."""
 FOLDS_FILE = "folds.json"
@@ -67,18 +73,36 @@ def net_gain(ours: dict[str, bool], theirs: dict[str, bool], keys: Sequence[str]
     return (gained - lost) / len(keys) if keys else 0.0
 
 
+def lower_bound(ours: dict[str, bool], theirs: dict[str, bool], keys: Sequence[str], z: float = Z_ONE_SIDED) -> float:
+    """A one-sided lower bound of the paired difference: (gained - lost - z·√(gained + lost)) /
+    prompts (the normal approximation of the sign statistic). A rule that changes few answers
+    pays little; one whose gains and losses are many and balanced pays for its spread."""
+    gained = sum(ours[k] and not theirs[k] for k in keys)
+    lost = sum(theirs[k] and not ours[k] for k in keys)
+    return (gained - lost - z * math.sqrt(gained + lost)) / len(keys) if keys else 0.0
+
+
+CRITERIA = ("lower-bound", "net")
+"""How candidates are ranked on the selection folds, per task, then by the worst task:
+``lower-bound`` (default; the goal is one-sided, "at or above the best member") or ``net``."""
+
+
 def choose(
     grades: dict[str, dict[str, dict[str, bool]]],
     reference: str,
     candidates: Sequence[str],
     keys: dict[str, Sequence[str]],
+    criterion: str = "lower-bound",
 ) -> tuple[str, dict[str, tuple[float, float]]]:
-    """The candidate whose worst task gains most over ``reference`` on ``keys`` (per task), the
-    earlier one on a tie; with each candidate's (worst task, mean) net gain."""
+    """The candidate whose worst task ranks highest against ``reference`` on ``keys`` (per task,
+    by ``criterion``; then the mean net gain; then the earlier candidate), with each candidate's
+    (worst task's criterion, mean net gain)."""
+    rank = lower_bound if criterion == "lower-bound" else net_gain
     ranking: dict[str, tuple[float, float]] = {}
     for name in candidates:
+        worst = min(rank(grades[task][name], grades[task][reference], keys[task]) for task in keys)
         gains = [net_gain(grades[task][name], grades[task][reference], keys[task]) for task in keys]
-        ranking[name] = (min(gains), sum(gains) / len(gains))
+        ranking[name] = (worst, sum(gains) / len(gains))
     best = max(candidates, key=lambda n: (ranking[n], -candidates.index(n)))
     return best, ranking
 
@@ -100,7 +124,11 @@ def paired(ours: dict[str, bool], theirs: dict[str, bool], keys: Sequence[str]) 
 
 
 def select(
-    candidates: Sequence[str], reference: str, k: int, task_names: Sequence[str] = SELECTION_TASKS
+    candidates: Sequence[str],
+    reference: str,
+    k: int,
+    task_names: Sequence[str] = SELECTION_TASKS,
+    criterion: str = "lower-bound",
 ) -> dict[str, Any]:
     """Run the protocol (module docstring) over ``candidates`` (recorded on every prompt of every
     task); the result as :func:`write` keeps it."""
@@ -112,20 +140,21 @@ def select(
     out_of_fold: dict[str, dict[str, bool]] = {task: {} for task in assignment}
     for f in range(k):
         train = {task: [key for g, fold in enumerate(fs) if g != f for key in fold] for task, fs in assignment.items()}
-        chosen, ranking = choose(grades, reference, candidates, train)
+        chosen, ranking = choose(grades, reference, candidates, train, criterion)
         for task, fs in assignment.items():
             out_of_fold[task].update({key: grades[task][chosen][key] for key in fs[f]})
         per_fold.append(
             {
                 "fold": f,
                 "chosen": chosen,
-                "selection_net_gain": {n: [round(100 * v, 2) for v in r] for n, r in ranking.items()},
+                "ranking": {n: [round(100 * v, 2) for v in r] for n, r in ranking.items()},
             }
         )
-    shipped, ranking_all = choose(grades, reference, candidates, everything)
+    shipped, ranking_all = choose(grades, reference, candidates, everything, criterion)
     return {
-        "protocol": "k folds by position (i mod k); chosen on the other folds by the worst task's net gain over "
-        "the reference, ties to the earlier candidate; reported on the fold it never saw",
+        "protocol": "k folds by position (i mod k); chosen on the other folds by the worst task's criterion "
+        "against the reference, then the mean net gain, then the earlier candidate; reported on the fold it never saw",
+        "criterion": criterion,
         "k": k,
         "tasks": list(task_names),
         "reference": reference,
@@ -139,7 +168,7 @@ def select(
             for n in candidates
         },
         "chosen_on_all_folds": shipped,
-        "selection_net_gain_all_folds": {n: [round(100 * v, 2) for v in r] for n, r in ranking_all.items()},
+        "ranking_all_folds": {n: [round(100 * v, 2) for v in r] for n, r in ranking_all.items()},
     }
 
 
@@ -155,7 +184,8 @@ def write(result: dict[str, Any], name: str = "selection.json") -> str:
 def render(result: dict[str, Any]) -> str:
     """The selection as Markdown: per fold what was chosen, the out-of-fold figure, each candidate in sample."""
     lines = [
-        f"{result['k']} folds; reference: {result['reference']}; candidates: {', '.join(result['candidates'])}",
+        f"{result['k']} folds; criterion: {result['criterion']}; reference: {result['reference']}; "
+        f"candidates: {', '.join(result['candidates'])}",
         "",
         "| fold | chosen on the other folds |",
         "|---|---|",
