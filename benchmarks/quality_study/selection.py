@@ -58,7 +58,8 @@ def folds(k: int, task_names: Sequence[str] = SELECTION_TASKS) -> dict[str, list
 
 
 def _grades(task: str, name: str, keys: Sequence[str]) -> dict[str, bool]:
-    recs = [r for r in records(task, name) if str(r["key"]) in set(keys)]
+    wanted = set(keys)
+    recs = [r for r in records(task, name) if str(r["key"]) in wanted]
     graded = passes(task, recs)
     missing = [key for key in keys if key not in graded]
     if missing:
