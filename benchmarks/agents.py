@@ -3,6 +3,7 @@
     python benchmarks/agents.py                                   # everything (hours on a 2-core CPU)
     python benchmarks/agents.py --rows one-1.5b quality --frameworks langgraph --tasks 10
     python benchmarks/agents.py --only bfcl --bfcl-limit 50
+    python benchmarks/agents.py --frameworks llamaindex --append  # another piece of the grid, same file
     python benchmarks/agents.py --smoke                           # seconds: SmolLM2, 2 tasks, 1 BFCL case each
 
 Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (the
@@ -677,6 +678,23 @@ def summarize_bfcl(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- driver ----------------------------------------------------------------------------------------
+def previous_cells(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Any]]:
+    """The records of ``args.out`` this run does not measure again, and its earlier runs' settings."""
+    if not args.out.exists():
+        return [], [], []
+    old = json.loads(args.out.read_text())
+    agent_cells = (
+        set() if args.only == "bfcl" else {(r, f, s) for r in args.rows for f in args.frameworks for s in args.system}
+    )
+    bfcl_cells = set() if args.only == "agents" else {(r, c) for r in args.rows for c in args.bfcl}
+    kept = [r for r in old["agents"]["records"] if (r["row"], r["framework"], r["system"]) not in agent_cells]
+    kept_bfcl = [r for r in old["bfcl"]["records"] if (r["row"], r["category"]) not in bfcl_cells]
+    runs = old.get("runs") or [
+        {**old.get("settings", {}), "complete": old.get("complete"), "seconds": old.get("seconds")}
+    ]
+    return kept, kept_bfcl, runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -697,6 +715,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per model call")
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 tasks, 1 BFCL case each")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the records of --out's other cells (row x framework x system prompt, row x BFCL category): "
+        "a grid run in pieces; the cells this run measures are replaced",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.rows = ["one-smollm2", "peer-smollm2"]
@@ -712,21 +736,26 @@ def main() -> None:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     bfcl: list[dict[str, Any]] = []
+    kept_records, kept_bfcl, runs = previous_cells(args) if args.append else ([], [], [])
+    settings = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
+        "recursion_limit": RECURSION_LIMIT,
+        "max_iterations": MAX_ITERATIONS,
+        "system_prompt": SYSTEM_PROMPT,
+        "task_ids": [t["id"] for t in tasks],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
     def write(complete: bool) -> None:
+        all_records, all_bfcl = kept_records + records, kept_bfcl + bfcl
         result = {
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "settings": {
-                **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
-                "recursion_limit": RECURSION_LIMIT,
-                "max_iterations": MAX_ITERATIONS,
-                "system_prompt": SYSTEM_PROMPT,
-                "task_ids": [t["id"] for t in tasks],
-            },
+            "settings": settings,
+            "runs": [*runs, {**settings, "complete": complete, "seconds": round(time.perf_counter() - started, 1)}],
             "complete": complete,
             "seconds": round(time.perf_counter() - started, 1),
-            "agents": {"summary": summarize_tasks(records), "records": records},
-            "bfcl": {"summary": summarize_bfcl(bfcl), "records": bfcl},
+            "agents": {"summary": summarize_tasks(all_records), "records": all_records},
+            "bfcl": {"summary": summarize_bfcl(all_bfcl), "records": all_bfcl},
         }
         if str(args.out) != os.devnull:  # after every record too: a run cut short keeps what it did
             args.out.parent.mkdir(parents=True, exist_ok=True)

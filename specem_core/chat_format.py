@@ -84,6 +84,34 @@ def flatten_tool_turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def arguments_as_objects(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each assistant tool call's ``arguments`` as a JSON object, not a string.
+
+    OpenAI-style messages (LangChain's and LlamaIndex's included) carry arguments as a JSON
+    string, while chat templates render them with ``arguments | tojson`` (Qwen2.5's, Llama 3.1's;
+    transformers documents a dict): a string would reach the model quoted twice,
+    ``"arguments": "{\\"a\\": 12}"``, unlike any call it was trained on. Arguments that are not a JSON
+    object stay as they are."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") != "assistant" or not calls:
+            out.append(dict(m))
+            continue
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            args = fn.get("arguments") if isinstance(fn, Mapping) else None
+            if isinstance(fn, Mapping) and isinstance(args, str):
+                with contextlib.suppress(ValueError):
+                    parsed = json.loads(args)
+                    if isinstance(parsed, dict):
+                        call = {**call, "function": {**fn, "arguments": parsed}}
+            fixed.append(call)
+        out.append({**m, "tool_calls": fixed})
+    return out
+
+
 def _call_text(call: Mapping[str, Any]) -> str:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
@@ -140,6 +168,8 @@ class ChatFormat:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if tools and self.supports_tools:
             kwargs["tools"] = list(tools)
+        if self.supports_tools:
+            msgs = arguments_as_objects(msgs)
         rendered = self._tokenizer.apply_chat_template(msgs, chat_template=self.template, **kwargs)
         return str(rendered)
 

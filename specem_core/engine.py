@@ -220,7 +220,10 @@ class SpecEM:
         def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
             return self._answer_instead(messages, tools, constraint, overrides)
 
-        return plan.wrap(run.events(), run.messages, answer_instead)
+        def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
+            return self._call_instead(messages, tools, constraint, overrides)
+
+        return plan.wrap(run.events(), run.messages, answer_instead, call_instead)
 
     def _answer_instead(
         self,
@@ -232,6 +235,19 @@ class SpecEM:
         """A run without tools that answers in words from the tool results in the conversation
         (never a call: :class:`~specem_core.tools.AnswerConstraint`)."""
         run, plan = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
+        assert plan is not None
+        return plan.wrap(run.events(), run.messages)
+
+    def _call_instead(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        constraint: CandidateFilter | None,
+        overrides: dict[str, Any],
+    ) -> Iterator[StreamEvent]:
+        """A run that must call one of ``tools`` (``tool_choice="required"``: the call is written
+        under :class:`~specem_core.tools.ToolCallConstraint`, so it parses)."""
+        run, plan = self._prepare(messages, tools, "required", None, False, constraint, overrides)
         assert plan is not None
         return plan.wrap(run.events(), run.messages)
 
@@ -336,7 +352,10 @@ class SpecEM:
             def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
                 return self._answer_instead(messages, tools, constraint, overrides)
 
-            events = plan.wrap(events, run.messages, answer_instead)
+            def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
+                return self._call_instead(messages, tools, constraint, overrides)
+
+            events = plan.wrap(events, run.messages, answer_instead, call_instead)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 from agent_scripts import OPS, TOOLS, Writer, bare_call, looping, stubborn
 
-from specem_core import SessionRequest, SpecEM, SpecEMConfig
+from specem_core import SessionRequest, SpecEM, SpecEMConfig, ToolCall
 from specem_core.tools import (
     MAX_TOOL_ROUNDS,
     AnswerConstraint,
     answer_words,
+    reapplies_last_call,
     tool_results_summary,
     tool_rounds,
     visible_answer,
@@ -108,6 +109,51 @@ def test_a_call_written_with_doubled_braces_is_a_call_before_results_and_words_a
     assert (again.content, again.tool_calls) == ("The result is 84.", [])
 
 
+def test_an_empty_answer_after_a_result_becomes_words() -> None:
+    """Seen on the agents benchmark (``arith-n-10``, quality and the 1.5B alone): after four tool
+    results the members ended the turn at once; the loop ended on an empty message."""
+
+    def silent(request: SessionRequest, committed: str) -> str:
+        return ""
+
+    events = list(engine(Writer("a", silent)).stream(REPEAT_HISTORY, tools=TOOLS))
+    result = events[-1].result
+    assert result is not None
+    assert (result.content, result.tool_calls, result.finish_reason) == ("The result is 84.", [], "stop")
+    assert "".join(e.delta for e in events) == result.content
+    first = engine(Writer("a", silent)).generate(QUESTION, tools=TOOLS)  # no tool ran: nothing to state
+    assert (first.content, first.tool_calls) == ("", [])
+
+
+FENCED_EXPRESSION = '```json\n{\n  "name": "add",\n  "arguments": {\n    "a": 24,\n    "b": 17 + 9\n  }\n}\n```'
+"""The first answer of ``arith-n-17`` on every row of the agents benchmark: a fenced call with an
+expression for an argument, which no JSON parser reads."""
+
+
+def test_a_call_the_parser_cannot_read_before_any_result_becomes_a_constrained_call() -> None:
+    target = '<tool_call>\n{"name": "add", "arguments": {"a": 24, "b": 26}}\n</tool_call>'
+
+    def fenced(request: SessionRequest, committed: str) -> str:
+        if committed.startswith("<tool_call>"):  # the constrained retry starts from its prefill
+            return target[len(committed) :] if target.startswith(committed) else ""
+        return FENCED_EXPRESSION
+
+    member = Writer("a", fenced)
+    events = list(engine(member).stream(QUESTION, tools=TOOLS))
+    result = events[-1].result
+    assert result is not None
+    # before: content was the fenced JSON, no call, finish "stop": the agent's final answer
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("add", {"a": 24, "b": 26})]
+    assert (result.content, result.finish_reason) == ("", "tool_calls")
+    assert "".join(e.delta for e in events) == ""  # no markup was streamed
+    assert len(member.requests) == 2
+    assert member.requests[1].tools
+    # a fenced JSON answer that names no tool is an answer, and is left as it is
+    other = '```json\n{"name": "Ada", "born": 1815 + 0}\n```'
+    plain = engine(Writer("a", lambda request, committed: "" if committed else other)).generate(QUESTION, tools=TOOLS)
+    assert (plain.content, plain.tool_calls) == (other, [])
+
+
 def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[str, Any]], Any]:
     """A minimal agent loop: call the model, run its calls, until it answers without calls."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
@@ -145,6 +191,55 @@ def test_a_loop_that_repeats_a_call_ends_at_the_repeat() -> None:
     messages, result = run_agent(engine(Writer("a", repeat_last)), "What is 12 times 7, plus 5?")
     assert tool_rounds(messages) == 2
     assert result.content == "The result is 89."
+
+
+def reapplying(request: SessionRequest, committed: str) -> str:
+    """multiply(12, 7), add(84, 5), then add(last, 5) again and again (the benchmark's
+    ``arith-n-10`` on the quality preset and the 1.5B alone), words when asked without tools."""
+    results = [int(m["content"]) for m in request.messages if m.get("role") == "tool"]
+    if not request.tools:
+        target = f"12 times 7, plus 5, is {results[-1]}."
+        return target[len(committed) :] if target.startswith(committed) else ""
+    if not results:
+        return bare_call("multiply", 12, 7)
+    return bare_call("add", results[-1], 5)
+
+
+def test_a_call_fed_its_own_result_again_is_answered_after_the_first_result() -> None:
+    messages, result = run_agent(engine(Writer("a", reapplying)), "What is 12 times 7, plus 5? Use the tools.")
+    # before: add(89, 5), add(94, 5), ... until the round limit, then "The result is 114."
+    assert [m["content"] for m in messages if m["role"] == "tool"] == ["84", "89"]
+    assert (result.content, result.tool_calls) == ("12 times 7, plus 5, is 89.", [])
+
+
+def call(name: str, **arguments: Any) -> ToolCall:
+    return ToolCall("c", name, arguments)
+
+
+def turn(name: str, arguments: Any, result: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "assistant", "tool_calls": [{"id": "p", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "p", "content": result},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("history", "calls", "loops"),
+    [
+        (turn("add", {"a": 84, "b": 5}, "89.0"), [call("add", a=89, b=5)], True),
+        (turn("add", '{"a": 84, "b": 5}', "89"), [call("add", a=89.0, b=5)], True),  # JSON-string arguments
+        (turn("convert", {"value": 26.2, "to": "km"}, "42.1648"), [call("convert", value=42.16, to="km")], True),
+        (turn("add", {"a": 84, "b": 5}, "89"), [call("add", a=89, b=6)], False),  # two arguments changed
+        (turn("multiply", {"a": 25, "b": 4}, "100"), [call("multiply", a=100, b=3)], False),  # 25 x 4 x 3
+        (turn("add", {"a": 84, "b": 5}, "89"), [call("multiply", a=89, b=5)], False),  # another tool
+        (turn("add", {"a": 1000, "b": 5}, "1005"), [call("add", a=1005, b=5)], True),  # 1000 vs 1005: changed
+        (turn("add", {"a": 84, "b": 5}, "89"), [call("add", a=89, b=5), call("add", a=1, b=2)], False),
+        (turn("lookup", {"city": "Lima"}, '{"next": "Riga"}'), [call("lookup", city="Riga")], False),  # not one value
+        ([], [call("add", a=89, b=5)], False),  # no call before
+    ],
+)
+def test_reapplies_last_call(history: list[dict[str, Any]], calls: list[ToolCall], loops: bool) -> None:
+    assert reapplies_last_call(calls, [*QUESTION, *history]) is loops
 
 
 @pytest.mark.parametrize(

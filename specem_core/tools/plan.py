@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -318,13 +319,18 @@ class OutputPlan:
         events: Iterator[StreamEvent],
         messages: Sequence[Mapping[str, Any]] = (),
         answer_instead: Callable[[], Iterator[StreamEvent]] | None = None,
+        call_instead: Callable[[], Iterator[StreamEvent]] | None = None,
     ) -> Iterator[StreamEvent]:
         """Post-process a request's events: answer-text deltas, calls on the final event.
 
         With ``tool_choice="auto"``, an answer whose calls all repeat calls already answered in
-        ``messages`` (same tool, same arguments) brings nothing new, and after tool results an
-        answer with only unparseable calls or call JSON as content would end the loop on junk:
-        when ``answer_instead`` is given, its events (a run without tools) replace the final event.
+        ``messages`` (same tool, same arguments) brings nothing new, one that applies the last
+        call again to that call's own result loops (:func:`reapplies_last_call`), and after tool results an
+        answer that is empty, or has only unparseable calls or call JSON as content, would end the
+        loop on junk or on nothing: when ``answer_instead`` is given, its events (a run without
+        tools) replace the final event. An answer that is only bare call JSON the parser cannot
+        read (naming a given tool, e.g. with an expression as an argument) is replaced by
+        ``call_instead``'s events (a constrained call the framework can run).
         """
         if self.answering:
             yield from self._answer(events, messages)
@@ -341,9 +347,16 @@ class OutputPlan:
                 if (
                     answer_instead is not None
                     and self.choice.mode == "auto"
-                    and (repeats_answered_calls(result.tool_calls, messages) or _unusable_final(result, messages))
+                    and (
+                        repeats_answered_calls(result.tool_calls, messages)
+                        or reapplies_last_call(result.tool_calls, messages)
+                        or _unusable_final(result, messages)
+                    )
                 ):
                     yield from answer_instead()
+                    return
+                if call_instead is not None and self.choice.mode == "auto" and _unread_call(result, self.tools):
+                    yield from call_instead()
                     return
                 delta = stream.finish(result.content or "")
                 yield dataclasses.replace(event, delta=delta, result=result)
@@ -368,13 +381,31 @@ class OutputPlan:
 
 
 def _unusable_final(result: GenerationResult, messages: Sequence[Mapping[str, Any]]) -> bool:
-    """After tool results, an answer with no call a framework can run whose content is call JSON
-    that did not parse (e.g. ``{{"name": ...}}``) or that holds only invalid calls: it would end
-    the agent loop on junk or on an empty message."""
+    """After tool results, an answer with no call a framework can run that is empty, or whose
+    content is call JSON that did not parse (e.g. ``{{"name": ...}}``), or that holds only invalid
+    calls: it would end the agent loop on junk or on an empty message."""
     if result.tool_calls or not tool_rounds(messages):
         return False
     content = (result.content or "").strip()
-    return bool(result.invalid_tool_calls) or answer_words(content) != content
+    return not content or bool(result.invalid_tool_calls) or answer_words(content) != content
+
+
+def _unread_call(result: GenerationResult, tools: Sequence[Mapping[str, Any]]) -> bool:
+    """An answer with no call that is nothing but bare or fenced call JSON naming one of ``tools``
+    that did not parse (``"b": 17 + 9``): it would end the loop on a raw call before any tool ran.
+    (A ``<tool_call>`` that breaks its schema is reported in ``invalid_tool_calls``, as LangChain
+    expects; bare JSON is free text while it is written, so nothing kept it parseable.)"""
+    if result.tool_calls or result.invalid_tool_calls:
+        return False
+    content = (result.content or "").strip()
+    if not content or answer_words(content):
+        return False  # words, or nothing: an answer
+    names = {t["function"]["name"] for t in tools}
+    match = _CALL_NAME_RE.search(content)
+    return match is not None and match.group(1) in names
+
+
+_CALL_NAME_RE = re.compile(r'"name"\s*:\s*"([^"]+)"')
 
 
 def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
@@ -408,6 +439,65 @@ def repeats_answered_calls(calls: Sequence[ToolCall], messages: Sequence[Mapping
         return False
     answered = answered_calls(messages)
     return all(_call_key(c.name, c.arguments) in answered for c in calls)
+
+
+def reapplies_last_call(calls: Sequence[ToolCall], messages: Sequence[Mapping[str, Any]]) -> bool:
+    """True when ``calls`` is one call that repeats the conversation's last call with its result
+    put in place of one argument, all other arguments the same: ``add(a=84, b=5)`` → ``89``, then
+    ``add(a=89, b=5)``; ``convert(26.2, "miles", "km")`` → ``42.16``, then ``convert(42.16, "miles",
+    "km")``. Small models loop this way after a multi-step question ("12 times 7, plus 5"), each call
+    new, until the round limit; the answer is due after the first result.
+
+    A task that really applies one step to its own result again (compound interest as repeated
+    multiplications by the same rate) is cut short by this rule: such a loop is answered from the
+    results so far. Tool results that are not a single value (JSON objects, text) never match."""
+    if len(calls) != 1:
+        return False
+    last = _last_call_and_result(messages)
+    if last is None:
+        return False
+    (name, previous), result = last
+    args = calls[0].arguments
+    if calls[0].name != name or not isinstance(previous, Mapping) or set(args) != set(previous):
+        return False
+    changed = [key for key in args if not _same_value(args[key], previous[key], tolerance=0.0)]
+    return len(changed) == 1 and _same_value(args[changed[0]], result)
+
+
+def _last_call_and_result(messages: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, Any], str] | None:
+    """((name, arguments), result text) of the last assistant turn when it made exactly one call
+    and the messages after it are that call's result alone."""
+    for n in range(len(messages) - 1, -1, -1):
+        m = messages[n]
+        if m.get("role") == "tool":
+            continue
+        if m.get("role") != "assistant" or len(m.get("tool_calls") or []) != 1:
+            return None
+        results = messages[n + 1 :]
+        if len(results) != 1:
+            return None
+        call = m["tool_calls"][0]
+        fn = call.get("function", call) if isinstance(call, Mapping) else {}
+        if not isinstance(fn, Mapping):
+            return None
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        return (str(fn.get("name")), arguments), str(results[0].get("content") or "")
+    return None
+
+
+def _same_value(value: Any, other: Any, tolerance: float = 0.01) -> bool:
+    """Equal as numbers (within ``tolerance``, relative, and as much absolute: a model often rounds
+    a result it copies), else as text."""
+    try:
+        a, b = float(str(value).strip()), float(str(other).strip())
+    except ValueError:
+        return str(value).strip() == str(other).strip()
+    return abs(a - b) <= max(tolerance, tolerance * max(abs(a), abs(b)))
 
 
 @dataclass(frozen=True)
