@@ -223,7 +223,10 @@ class SpecEM:
         def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
             return self._call_instead(messages, tools, constraint, overrides)
 
-        return plan.wrap(run.events(), run.messages, answer_instead, call_instead)
+        def words_instead() -> Iterator[StreamEvent]:  # the answer called a tool nobody gave
+            return self._words_instead(messages, tools, constraint, overrides)
+
+        return plan.wrap(run.events(), run.messages, answer_instead, call_instead, words_instead)
 
     def _answer_instead(
         self,
@@ -248,6 +251,19 @@ class SpecEM:
         """A run that must call one of ``tools`` (``tool_choice="required"``: the call is written
         under :class:`~specem_core.tools.ToolCallConstraint`, so it parses)."""
         run, plan = self._prepare(messages, tools, "required", None, False, constraint, overrides)
+        assert plan is not None
+        return plan.wrap(run.events(), run.messages)
+
+    def _words_instead(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        constraint: CandidateFilter | None,
+        overrides: dict[str, Any],
+    ) -> Iterator[StreamEvent]:
+        """A run without tools that answers in words (no call markup or call JSON:
+        :class:`~specem_core.tools.AnswerConstraint`)."""
+        run, plan = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
         assert plan is not None
         return plan.wrap(run.events(), run.messages)
 
@@ -355,7 +371,10 @@ class SpecEM:
             def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
                 return self._call_instead(messages, tools, constraint, overrides)
 
-            events = plan.wrap(events, run.messages, answer_instead, call_instead)
+            def words_instead() -> Iterator[StreamEvent]:  # the answer called a tool nobody gave
+                return self._words_instead(messages, tools, constraint, overrides)
+
+            events = plan.wrap(events, run.messages, answer_instead, call_instead, words_instead)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 

@@ -154,6 +154,33 @@ def test_a_call_the_parser_cannot_read_before_any_result_becomes_a_constrained_c
     assert (plain.content, plain.tool_calls) == (other, [])
 
 
+def test_a_call_to_a_tool_nobody_gave_becomes_words() -> None:
+    """``fast`` on the agents benchmark's ``no-tool-36`` ("How many days are in a week?") answered
+    ``{"name": "days_in_week", "arguments": {"value": 7}}``: the final answer was that JSON."""
+    hallucinated = '{"name": "days_in_week", "arguments": {"value": 7}}'
+
+    def script(request: SessionRequest, committed: str) -> str:
+        if request.tools:
+            return hallucinated
+        target = "There are 7 days in a week."
+        return target[len(committed) :] if target.startswith(committed) else ""
+
+    member = Writer("a", script)
+    events = list(engine(member).stream([{"role": "user", "content": "How many days are in a week?"}], tools=TOOLS))
+    result = events[-1].result
+    assert result is not None
+    assert (result.content, result.tool_calls) == ("There are 7 days in a week.", [])
+    assert "".join(e.delta for e in events) == result.content
+    retry = member.requests[1]
+    assert retry.tools is None
+    assert not any("tools you called" in str(m.get("content")) for m in retry.messages)  # no results to cite
+    # a model that writes the JSON again gets the opener and goes on in words, never the JSON
+    stubborn_json = engine(Writer("b", lambda request, committed: "" if committed else hallucinated))
+    again = stubborn_json.generate([{"role": "user", "content": "How many days are in a week?"}], tools=TOOLS)
+    assert "{" not in again.content
+    assert again.tool_calls == []
+
+
 def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[str, Any]], Any]:
     """A minimal agent loop: call the model, run its calls, until it answers without calls."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]

@@ -290,8 +290,9 @@ class OutputPlan:
         return _Both(mine, constraint)
 
     def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Add the JSON instruction to the system message (or a new one)."""
-        if not self.instruction:
+        """Add the instruction (JSON output, or answering from the tool results when there are
+        some) to the system message (or a new one)."""
+        if not self.instruction or (self.answering and not any(m.get("role") == "tool" for m in messages)):
             return messages
         out = [dict(m) for m in messages]
         if out and out[0].get("role") in ("system", "developer"):
@@ -320,6 +321,7 @@ class OutputPlan:
         messages: Sequence[Mapping[str, Any]] = (),
         answer_instead: Callable[[], Iterator[StreamEvent]] | None = None,
         call_instead: Callable[[], Iterator[StreamEvent]] | None = None,
+        words_instead: Callable[[], Iterator[StreamEvent]] | None = None,
     ) -> Iterator[StreamEvent]:
         """Post-process a request's events: answer-text deltas, calls on the final event.
 
@@ -330,7 +332,9 @@ class OutputPlan:
         loop on junk or on nothing: when ``answer_instead`` is given, its events (a run without
         tools) replace the final event. An answer that is only bare call JSON the parser cannot
         read (naming a given tool, e.g. with an expression as an argument) is replaced by
-        ``call_instead``'s events (a constrained call the framework can run).
+        ``call_instead``'s events (a constrained call the framework can run); one that is only a
+        call to a tool nobody gave (``{"name": "days_in_week", "arguments": ...}``) by
+        ``words_instead``'s (a plain-text answer, as with ``tool_choice="none"``).
         """
         if self.answering:
             yield from self._answer(events, messages)
@@ -355,8 +359,10 @@ class OutputPlan:
                 ):
                     yield from answer_instead()
                     return
-                if call_instead is not None and self.choice.mode == "auto" and _unread_call(result, self.tools):
-                    yield from call_instead()
+                unread = _unread_call(result, self.tools) if self.choice.mode == "auto" else None
+                instead = {"call": call_instead, "words": words_instead}.get(unread or "")
+                if instead is not None:
+                    yield from instead()
                     return
                 delta = stream.finish(result.content or "")
                 yield dataclasses.replace(event, delta=delta, result=result)
@@ -390,22 +396,27 @@ def _unusable_final(result: GenerationResult, messages: Sequence[Mapping[str, An
     return not content or bool(result.invalid_tool_calls) or answer_words(content) != content
 
 
-def _unread_call(result: GenerationResult, tools: Sequence[Mapping[str, Any]]) -> bool:
-    """An answer with no call that is nothing but bare or fenced call JSON naming one of ``tools``
-    that did not parse (``"b": 17 + 9``): it would end the loop on a raw call before any tool ran.
+def _unread_call(result: GenerationResult, tools: Sequence[Mapping[str, Any]]) -> str | None:
+    """What an answer with no call that is nothing but bare or fenced call JSON needs, since it
+    would end the loop on a raw call: ``"call"`` when it names one of ``tools`` but did not parse
+    (``"b": 17 + 9``), ``"words"`` when it calls a tool nobody gave; ``None`` for anything else.
     (A ``<tool_call>`` that breaks its schema is reported in ``invalid_tool_calls``, as LangChain
     expects; bare JSON is free text while it is written, so nothing kept it parseable.)"""
     if result.tool_calls or result.invalid_tool_calls:
-        return False
+        return None
     content = (result.content or "").strip()
     if not content or answer_words(content):
-        return False  # words, or nothing: an answer
-    names = {t["function"]["name"] for t in tools}
+        return None  # words, or nothing: an answer
     match = _CALL_NAME_RE.search(content)
-    return match is not None and match.group(1) in names
+    if match is None:
+        return None
+    if match.group(1) in {t["function"]["name"] for t in tools}:
+        return "call"
+    return "words" if _CALL_ARGUMENTS_RE.search(content) else None  # call-shaped, not any JSON with a name
 
 
 _CALL_NAME_RE = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_CALL_ARGUMENTS_RE = re.compile(r'"(?:arguments|parameters)"\s*:')
 
 
 def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
