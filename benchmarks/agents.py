@@ -624,8 +624,10 @@ def load_bfcl(directory: Path, category: str, limit: int | None) -> list[tuple[d
     return [(c, answers.get(c["id"])) for c in cases]
 
 
-def run_bfcl(args: argparse.Namespace) -> list[dict[str, Any]]:
-    records = []
+def run_bfcl(
+    args: argparse.Namespace, progress: Callable[[list[dict[str, Any]]], None] = lambda done: None
+) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
     for row in args.rows:
         for category in args.bfcl:
             for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit):
@@ -657,6 +659,7 @@ def run_bfcl(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "seconds": round(seconds, 2),
                     }
                 )
+                progress(records)
                 print(f"{row:12s} bfcl {category:11s} {case['id']:28s} ok={int(ok)} {seconds:5.1f}s {why}", flush=True)
     return records
 
@@ -769,7 +772,12 @@ def main() -> None:
 
         run_tasks(args, tasks, progress)
     if args.only != "agents":
-        bfcl = run_bfcl(args)
+
+        def bfcl_progress(done: list[dict[str, Any]]) -> None:
+            bfcl[:] = done
+            write(False)
+
+        bfcl = run_bfcl(args, bfcl_progress)
     write(True)
     for line in [*summarize_tasks(records), *summarize_bfcl(bfcl)]:
         print(json.dumps(line))

@@ -217,53 +217,28 @@ class SpecEM:
         if plan is None:
             return run.events()
 
-        def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
-            return self._answer_instead(messages, tools, constraint, overrides)
+        def answer_instead() -> Iterator[StreamEvent]:  # the answer was a repeat, a loop or junk
+            return self._instead(messages, tools, constraint, overrides, "none")
 
         def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
-            return self._call_instead(messages, tools, constraint, overrides)
+            return self._instead(messages, tools, constraint, overrides, "required")
 
-        def words_instead() -> Iterator[StreamEvent]:  # the answer called a tool nobody gave
-            return self._words_instead(messages, tools, constraint, overrides)
+        return plan.wrap(run.events(), run.messages, answer_instead, call_instead)
 
-        return plan.wrap(run.events(), run.messages, answer_instead, call_instead, words_instead)
-
-    def _answer_instead(
+    def _instead(
         self,
         messages: Sequence[Mapping[str, Any]] | str,
         tools: Sequence[Mapping[str, Any]] | None,
         constraint: CandidateFilter | None,
         overrides: dict[str, Any],
+        tool_choice: str,
     ) -> Iterator[StreamEvent]:
-        """A run without tools that answers in words from the tool results in the conversation
-        (never a call: :class:`~specem_core.tools.AnswerConstraint`)."""
-        run, plan = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
-        assert plan is not None
-        return plan.wrap(run.events(), run.messages)
-
-    def _call_instead(
-        self,
-        messages: Sequence[Mapping[str, Any]] | str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        constraint: CandidateFilter | None,
-        overrides: dict[str, Any],
-    ) -> Iterator[StreamEvent]:
-        """A run that must call one of ``tools`` (``tool_choice="required"``: the call is written
-        under :class:`~specem_core.tools.ToolCallConstraint`, so it parses)."""
-        run, plan = self._prepare(messages, tools, "required", None, False, constraint, overrides)
-        assert plan is not None
-        return plan.wrap(run.events(), run.messages)
-
-    def _words_instead(
-        self,
-        messages: Sequence[Mapping[str, Any]] | str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        constraint: CandidateFilter | None,
-        overrides: dict[str, Any],
-    ) -> Iterator[StreamEvent]:
-        """A run without tools that answers in words (no call markup or call JSON:
-        :class:`~specem_core.tools.AnswerConstraint`)."""
-        run, plan = self._prepare(messages, tools, "none", None, False, constraint, overrides, answering=True)
+        """The run that replaces an answer an agent loop cannot use: ``"none"``, words without
+        tools (from the tool results when there are some; never a call:
+        :class:`~specem_core.tools.AnswerConstraint`), or ``"required"``, a call written under
+        :class:`~specem_core.tools.ToolCallConstraint`, so that it parses."""
+        answering = tool_choice == "none"
+        run, plan = self._prepare(messages, tools, tool_choice, None, False, constraint, overrides, answering=answering)
         assert plan is not None
         return plan.wrap(run.events(), run.messages)
 
@@ -365,16 +340,13 @@ class SpecEM:
         events = run.events()
         if plan is not None:
 
-            def answer_instead() -> Iterator[StreamEvent]:  # the answer repeated answered calls
-                return self._answer_instead(messages, tools, constraint, overrides)
+            def answer_instead() -> Iterator[StreamEvent]:  # the answer was a repeat, a loop or junk
+                return self._instead(messages, tools, constraint, overrides, "none")
 
             def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
-                return self._call_instead(messages, tools, constraint, overrides)
+                return self._instead(messages, tools, constraint, overrides, "required")
 
-            def words_instead() -> Iterator[StreamEvent]:  # the answer called a tool nobody gave
-                return self._words_instead(messages, tools, constraint, overrides)
-
-            events = plan.wrap(events, run.messages, answer_instead, call_instead, words_instead)
+            events = plan.wrap(events, run.messages, answer_instead, call_instead)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 

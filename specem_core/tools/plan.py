@@ -321,7 +321,6 @@ class OutputPlan:
         messages: Sequence[Mapping[str, Any]] = (),
         answer_instead: Callable[[], Iterator[StreamEvent]] | None = None,
         call_instead: Callable[[], Iterator[StreamEvent]] | None = None,
-        words_instead: Callable[[], Iterator[StreamEvent]] | None = None,
     ) -> Iterator[StreamEvent]:
         """Post-process a request's events: answer-text deltas, calls on the final event.
 
@@ -334,7 +333,7 @@ class OutputPlan:
         read (naming a given tool, e.g. with an expression as an argument) is replaced by
         ``call_instead``'s events (a constrained call the framework can run); one that is only a
         call to a tool nobody gave (``{"name": "days_in_week", "arguments": ...}``) by
-        ``words_instead``'s (a plain-text answer, as with ``tool_choice="none"``).
+        ``answer_instead``'s (words).
         """
         if self.answering:
             yield from self._answer(events, messages)
@@ -360,7 +359,7 @@ class OutputPlan:
                     yield from answer_instead()
                     return
                 unread = _unread_call(result, self.tools) if self.choice.mode == "auto" else None
-                instead = {"call": call_instead, "words": words_instead}.get(unread or "")
+                instead = {"call": call_instead, "words": answer_instead}.get(unread or "")
                 if instead is not None:
                     yield from instead()
                     return
