@@ -418,10 +418,20 @@ _CALL_NAME_RE = re.compile(r'"name"\s*:\s*"([^"]+)"')
 _CALL_ARGUMENTS_RE = re.compile(r'"(?:arguments|parameters)"\s*:')
 
 
-def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
+def _message_call(call: Any) -> tuple[str, Any] | None:
+    """(name, arguments) of a call in an assistant message (OpenAI or flat shape), arguments
+    parsed when they are a JSON string; ``None`` when it is not a call object."""
+    fn = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping):
+        return None
+    arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):
             arguments = json.loads(arguments)
+    return str(fn.get("name")), arguments
+
+
+def _call_key(name: Any, arguments: Any) -> tuple[str, str]:
     return str(name), json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str)
 
 
@@ -434,12 +444,12 @@ def answered_calls(messages: Sequence[Mapping[str, Any]]) -> set[tuple[str, str]
         if m.get("role") != "assistant":
             continue
         for call in m.get("tool_calls") or []:
-            fn = call.get("function", call) if isinstance(call, Mapping) else {}
-            if not isinstance(fn, Mapping):
+            parts = _message_call(call)
+            if parts is None:
                 continue
-            call_id = call.get("id") if isinstance(call, Mapping) else None
+            call_id = call.get("id")
             if call_id in answered_ids or (call_id is None and has_results):
-                keys.add(_call_key(fn.get("name"), fn.get("arguments", {})))
+                keys.add(_call_key(*parts))
     return keys
 
 
@@ -486,17 +496,8 @@ def _last_call_and_result(messages: Sequence[Mapping[str, Any]]) -> tuple[tuple[
         results = messages[n + 1 :]
         if len(results) != 1:
             return None
-        call = m["tool_calls"][0]
-        fn = call.get("function", call) if isinstance(call, Mapping) else {}
-        if not isinstance(fn, Mapping):
-            return None
-        arguments = fn.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        return (str(fn.get("name")), arguments), str(results[0].get("content") or "")
+        parts = _message_call(m["tool_calls"][0])
+        return None if parts is None else (parts, str(results[0].get("content") or ""))
     return None
 
 
