@@ -2,6 +2,7 @@
 
     python benchmarks/multiturn.py                          # every row and workload (alone on the machine)
     python benchmarks/multiturn.py --rows peer-1.5b one-1.5b quality --workloads rag
+    python benchmarks/multiturn.py --rows peer-1.5b one-1.5b --workloads rag --only-after --runs 5
     python benchmarks/multiturn.py --smoke                  # seconds: SmolLM2, short turns (CI smoke test)
 
 Workloads (the same text for every row; each row's own answers go into its history, as in a chat):
@@ -20,7 +21,10 @@ runs in a subprocess of its own, so its peak RSS is its own.
 
 Per turn: seconds, time to the first segment (first token for the peer), prompt tokens, and per
 member the tokens read from the prefix cache and the tokens prefilled. Summary per row: seconds per
-completion token over turns >= 2 and its ratio to the peer running the row's best member.
+completion token over turns >= 2 and its ratio to the peer running the row's best member. Follow-up
+turns last under a second, so one run's ratio moves by 0.1-0.2 with the machine's noise: ``--runs N``
+runs every row N times, the rows taking turns (peer, SpecEM, peer, ...), and reports the median per
+row with every run's figure.
 Writes ``benchmarks/results/multiturn.json`` (``--out``).
 """
 
@@ -32,6 +36,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -352,42 +357,60 @@ def per_token(records: list[dict[str, Any]], skip_first: bool = True) -> float |
     return sum(r["seconds"] for r in later) / tokens if tokens else None
 
 
+def median_per_token(runs: list[dict[str, Any]], workload: str) -> tuple[float | None, list[float]]:
+    """The median over runs of seconds per completion token (turns >= 2), and each run's figure."""
+    each = [x for x in (per_token(r[workload]) for r in runs if workload in r) if x is not None]
+    return (statistics.median(each) if each else None), each
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    peers = {r["row"].removeprefix("peer-"): r for r in rows if r["row"].startswith("peer-")}
-    out = []
+    """One entry per (row, cache): medians over its runs (turn by turn for the turn figures)."""
+    runs_of: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for r in rows:
-        if r["row"].startswith("serve"):
-            continue
-        best = r["row"].removeprefix("peer-") if r["row"].startswith("peer-") else BEST_MEMBER.get(r["row"], "1.5b")
-        entry: dict[str, Any] = {"row": r["row"], "cache": r["cache"], "peak_rss_mib": r["peak_rss_mib"]}
+        if not r["row"].startswith("serve"):
+            runs_of.setdefault((r["row"], r["cache"]), []).append(r)
+    out = []
+    for (row, cache), runs in runs_of.items():
+        best = row.removeprefix("peer-") if row.startswith("peer-") else BEST_MEMBER.get(row, "1.5b")
+        peer_runs = runs_of.get((f"peer-{best}", True), [])
+        entry: dict[str, Any] = {"row": row, "cache": cache, "runs": len(runs)}
+        entry["peak_rss_mib"] = max(r["peak_rss_mib"] for r in runs)
         for workload in ("rag", "agent"):
-            if workload not in r:
+            records = [r[workload] for r in runs if workload in r]
+            if not records:
                 continue
-            mine = per_token(r[workload])
-            peer = per_token(peers[best][workload]) if best in peers and workload in peers[best] else None
-            prefilled = [
-                max((m["prefilled"] for m in t.get("members", {}).values()), default=None) for t in r[workload][1:]
-            ]
+            mine, each = median_per_token(runs, workload)
+            peer, _ = median_per_token(peer_runs, workload)
+            turns = range(min(len(rec) for rec in records))
             entry[workload] = {
                 "seconds_per_token_turns_2_plus": mine,
+                "seconds_per_token_each_run": each,
                 "vs_peer_best_member": (mine / peer) if mine and peer else None,
-                "turn_seconds": [round(t["seconds"], 2) for t in r[workload]],
-                "first_segment": [round(t["first_segment"] or 0, 2) for t in r[workload]],
-                "max_prefilled_per_member_turns_2_plus": prefilled,
+                "turn_seconds": [round(statistics.median(rec[t]["seconds"] for rec in records), 2) for t in turns],
+                "first_segment": [
+                    round(statistics.median(rec[t]["first_segment"] or 0 for rec in records), 2) for t in turns
+                ],
+                "max_prefilled_per_member_turns_2_plus": [
+                    max((m["prefilled"] for rec in records for m in rec[t].get("members", {}).values()), default=None)
+                    for t in turns[1:]
+                ],
             }
         out.append(entry)
     return out
 
 
 def table(summary: list[dict[str, Any]], serve: list[dict[str, Any]]) -> None:
-    print(f"{'row':<12} {'cache':<6} {'workload':<6} {'s/token t>=2':>12} {'vs peer':>8}  turn seconds")
+    head = f"{'row':<12} {'cache':<6} {'workload':<6} {'s/token t>=2':>12} {'vs peer':>8}"
+    print(f"{head}  turn seconds (median)  each run")
     for e in summary:
         for w in ("rag", "agent"):
             if w in e:
                 d = e[w]
                 ratio = f"{d['vs_peer_best_member']:.2f}x" if d["vs_peer_best_member"] else "-"
                 spt = d["seconds_per_token_turns_2_plus"]
-                print(f"{e['row']:<12} {e['cache']!s:<6} {w:<6} {spt or 0:>12.3f} {ratio:>8}  {d['turn_seconds']}")
+                each = [round(x, 3) for x in d["seconds_per_token_each_run"]]
+                line = f"{e['row']:<12} {e['cache']!s:<6} {w:<6} {spt or 0:>12.3f} {ratio:>8}"
+                print(f"{line}  {d['turn_seconds']}  {each}")
     for s in serve:
         print(
             f"{s['row']} cache={s['cache']}: first request {s['first_request']['seconds']:.1f}s, "
@@ -417,6 +440,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=10, help="distinct conversations (memory)")
     parser.add_argument("--only-after", action="store_true", help="SpecEM rows with the cache only")
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, 2 clients")
+    parser.add_argument("--runs", type=int, default=1, help="runs of every conversation row, taking turns (medians)")
     parser.add_argument("--row-timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -435,12 +459,12 @@ def main() -> None:
         args.out = args.out if args.out != RESULTS else Path(os.devnull)
     rows: list[dict[str, Any]] = []
     conversation = [w for w in args.workloads if w in ("rag", "agent")]
-    if conversation:
+    for run in range(args.runs if conversation else 0):
         for row in args.rows:
             for cache in [True] if row.startswith("peer-") or args.only_after else [True, False]:
                 started = time.perf_counter()
                 rows.append(spawn(row, cache, argparse.Namespace(**{**vars(args), "workloads": conversation})))
-                print(f"{row} cache={cache}: {time.perf_counter() - started:.0f}s", flush=True)
+                print(f"run {run + 1}: {row} cache={cache}: {time.perf_counter() - started:.0f}s", flush=True)
     serve = []
     if "serve" in args.workloads:
         for cache in [True] if args.only_after else [True, False]:

@@ -173,7 +173,7 @@ def load_member(
             itself never appears in a spec).
         **kwargs: backend options: transformers' ``from_pretrained`` arguments (and the member's
             ``chat_template`` and ``request_batch_size``), or llama.cpp's ``n_ctx``, ``n_threads``,
-            ``max_contexts``, ``n_gpu_layers``, ``chat_template``.
+            ``max_contexts``, ``n_gpu_layers``, ``flash_attention``, ``chat_template``.
 
     Raises:
         ModelNotFoundError: unknown name or backend, missing path, or weights that cannot be loaded.
@@ -214,7 +214,7 @@ def _load_http(
 ) -> Member:
     from specem_core.backends.http.factory import member_from_spec
 
-    local = sorted(set(kwargs) & {"n_ctx", "prefix_cache", "prefix_cache_tokens"})
+    local = sorted(set(kwargs) & {"n_ctx", "flash_attention", "prefix_cache", "prefix_cache_tokens"})
     if local:
         raise ConfigError(
             f"{', '.join(local)} set for server member {resolved.source!r}: these are options of local members; "
@@ -259,6 +259,11 @@ def _load_transformers(
         raise ConfigError(
             f"n_ctx set for transformers member {spec!r}: it is an option of llama.cpp members; a transformers "
             "member reads up to its model's max_position_embeddings"
+        )
+    if "flash_attention" in kwargs:
+        raise ConfigError(
+            f"flash_attention set for transformers member {spec!r}: it is an option of llama.cpp members; "
+            'a transformers member takes attn_implementation (e.g. "sdpa", "flash_attention_2")'
         )
     options: dict[str, Any] = {"chat_template": kwargs.pop("chat_template", None)}
     for option in ("request_batch_size", "prefix_cache", "prefix_cache_tokens"):  # the member's, not the weights'

@@ -42,6 +42,7 @@ class LoadedModel(Protocol):
     n_ctx: int
     n_batch: int
     n_threads: int
+    flash_attn_type: int
     n_vocab: int
     decode_calls: int
 
@@ -113,6 +114,7 @@ class Context:
         cparams.n_threads_batch = model.n_threads
         cparams.kv_unified = True  # sequences share cells: a candidate forks the prefix for free
         cparams.no_perf = True
+        cparams.flash_attn_type = model.flash_attn_type
         ctx = lib.llama_init_from_model(model.handle, cparams)
         if not ctx:
             raise LlamaCppError(f"{model.name}: llama.cpp could not create a context (n_ctx={model.n_ctx})")

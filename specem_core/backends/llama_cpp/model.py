@@ -35,7 +35,7 @@ from specem_core.backends.llama_cpp._binding import (
     default_threads,
     load_library,
 )
-from specem_core.errors import ModelNotFoundError
+from specem_core.errors import ConfigError, ModelNotFoundError
 
 KV_BUDGET_BYTES = 256 * 2**20
 """The KV-cache memory one context may take by default (256 MiB): the default ``n_ctx`` is the
@@ -64,6 +64,8 @@ class LlamaCppModel:
         n_batch: most tokens per ``llama_decode`` call (longer inputs are split).
         max_contexts: concurrent sessions (each holds one context; more wait for a free one).
         n_gpu_layers: layers offloaded to a GPU when llama-cpp-python was built with one.
+        flash_attention: llama.cpp's flash attention on (``True``) or off (``False``); default
+            (``None``): see :func:`default_flash_attention` (off on a CPU, except for Q4_1 weights).
         prefix_cache: keep a finished request's KV rows with its context, so that a request
             sharing a prefix with it (the next turn of a chat, the same system prompt or RAG
             context) prefills only what is new (see :meth:`acquire_for_prompt`).
@@ -86,6 +88,7 @@ class LlamaCppModel:
         n_batch: int = 512,
         max_contexts: int = 8,
         n_gpu_layers: int = 0,
+        flash_attention: bool | None = None,
         wait_seconds: float = 600.0,
         prefix_cache: bool = True,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
@@ -112,6 +115,13 @@ class LlamaCppModel:
         self.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train else n_ctx
         self.n_threads = n_threads or default_threads()
         self.n_batch = n_batch
+        if flash_attention is not None and not isinstance(flash_attention, bool):
+            raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
+        self.file_type = self._file_type()
+        self.flash_attention = flash_attention
+        """As given; ``flash_attn_type`` is what contexts are created with."""
+        self.flash_attn_type = flash_attn_type(flash_attention, self.file_type, n_gpu_layers)
+        """llama.cpp's ``flash_attn_type``: -1 its own choice (on for these builds), 0 off, 1 on."""
         self.max_contexts = max(1, max_contexts)
         self.wait_seconds = wait_seconds
         self._pool: list[Context] = []
@@ -344,6 +354,11 @@ class LlamaCppModel:
         v_len = num("attention.value_length") or n_embd // n_head
         return n_layer * n_head_kv * (k_len + v_len) * 2
 
+    def _file_type(self) -> int | None:
+        """``general.file_type``: the weights' quantization (``LLAMA_FTYPE_*``), None when missing."""
+        value = self._meta("general.file_type")
+        return int(value) if value is not None and value.isdigit() else None
+
     def _meta(self, key: str) -> str | None:
         size = 1 << 16
         for _ in range(2):
@@ -432,6 +447,32 @@ class LlamaCppModel:
     def __del__(self) -> None:  # pragma: no cover - depends on garbage collection
         with contextlib.suppress(Exception):
             self.close()
+
+
+FTYPE_MOSTLY_Q4_1 = 3
+"""``LLAMA_FTYPE_MOSTLY_Q4_1``: the weights whose CPU kernels are batch-invariant with flash attention."""
+
+
+def default_flash_attention(file_type: int | None, n_gpu_layers: int) -> bool | None:
+    """Flash attention for a model loaded without an explicit ``flash_attention``: ``None`` (llama.cpp's
+    own choice, which turns it on) on a GPU and for Q4_1 weights, ``False`` for other weights on a CPU.
+
+    Why: on a CPU, flash attention slows down the calls a follow-up turn is made of (a few new
+    tokens on a long cached prefix, candidates scored on a long prompt), and turning it off costs
+    no memory (measured by ``benchmarks/multiturn.py``: docs/reports/performance.md, "Follow-up
+    turns and flash attention"). Q4_1 weights keep it: their kernels are batch-invariant only with
+    it on, which is what makes their cached scores equal a fresh evaluation bit for bit; the other
+    packaged types are batch-invariant neither way.
+    """
+    if n_gpu_layers != 0 or file_type == FTYPE_MOSTLY_Q4_1:
+        return None
+    return False
+
+
+def flash_attn_type(flash_attention: bool | None, file_type: int | None, n_gpu_layers: int) -> int:
+    """llama.cpp's ``flash_attn_type`` for a context: -1 (auto), 0 (disabled) or 1 (enabled)."""
+    chosen = default_flash_attention(file_type, n_gpu_layers) if flash_attention is None else flash_attention
+    return -1 if chosen is None else int(chosen)
 
 
 def default_n_ctx(n_ctx_train: int, kv_bytes_per_token: int, budget: int = KV_BUDGET_BYTES) -> int:
