@@ -41,6 +41,7 @@ import math
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -681,6 +682,20 @@ def summarize_bfcl(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- driver ----------------------------------------------------------------------------------------
+def code_version() -> str:
+    """The commit the run's code is (``+`` when the tree has changes), or "unknown" outside git."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True, check=True).stdout
+
+    try:
+        return git("rev-parse", "--short", "HEAD").strip() + (
+            "+" if git("status", "--porcelain", "--", ".").strip() else ""
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def previous_cells(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Any]]:
     """The records of ``args.out`` this run does not measure again, and its earlier runs' settings."""
     if not args.out.exists():
@@ -747,6 +762,7 @@ def main() -> None:
         "system_prompt": SYSTEM_PROMPT,
         "task_ids": [t["id"] for t in tasks],
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "code": code_version(),
     }
 
     def write(complete: bool) -> None:

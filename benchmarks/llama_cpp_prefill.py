@@ -9,9 +9,11 @@ on this machine that call is a third of the turn, and the one-member ensemble's 
 differ in three settings; this script measures each, through llama-cpp-python's low-level API on
 one loaded model, one setting at a time and all three together:
 
-* SpecEM's context: ``n_ctx`` 8,192 (the 1.5B's default), 16 sequences in one unified KV cache
-  (sequence 0 and the scratch sequences candidates are scored in), flash attention on;
-* flash attention off (``Llama``'s default; on here for batch-invariant scores);
+* SpecEM's context when this was written: ``n_ctx`` 8,192 (the 1.5B's default), 16 sequences in
+  one unified KV cache (sequence 0 and the scratch sequences candidates are scored in), flash
+  attention on (llama.cpp's choice; SpecEM now turns it off on a CPU for all but Q4_1 weights:
+  ``default_flash_attention``);
+* flash attention off (``Llama``'s default);
 * ``n_ctx`` 4,096 (``Llama``'s usual setting);
 * one sequence, not unified;
 * all three as ``Llama`` has them.
