@@ -19,6 +19,7 @@ from agent_scripts import OPS, TOOLS, Writer, bare_call, looping, stubborn
 
 from specem_core import SessionRequest, SpecEM, SpecEMConfig, ToolCall
 from specem_core.tools import (
+    ANSWER_FROM_RESULTS,
     MAX_TOOL_ROUNDS,
     AnswerConstraint,
     answer_words,
@@ -173,7 +174,7 @@ def test_a_call_to_a_tool_nobody_gave_becomes_words() -> None:
     assert "".join(e.delta for e in events) == result.content
     retry = member.requests[1]
     assert retry.tools is None
-    assert not any("tools you called" in str(m.get("content")) for m in retry.messages)  # no results to cite
+    assert not any(ANSWER_FROM_RESULTS in str(m.get("content")) for m in retry.messages)  # no results to cite
     # a model that writes the JSON again gets the opener and goes on in words, never the JSON
     stubborn_json = engine(Writer("b", lambda request, committed: "" if committed else hallucinated))
     again = stubborn_json.generate([{"role": "user", "content": "How many days are in a week?"}], tools=TOOLS)

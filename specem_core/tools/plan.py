@@ -178,9 +178,8 @@ def _format_schema(response_format: Mapping[str, Any]) -> Mapping[str, Any] | No
 
 
 JSON_INSTRUCTION = "Answer with a single JSON object and nothing else."
-ANSWER_FROM_RESULTS = (
-    "The results of the tools you called are in the conversation. Answer the user's question "
-    "with them, in plain words. Do not call a tool again."
+ANSWER_FROM_RESULTS = (  # an imperative: small models echoed a statement ("The result is in the conversation.")
+    "Answer the user's question now, in plain words, from the tool results above. Do not call a tool again."
 )
 JSON_SCHEMA_INSTRUCTION = "Answer with a single JSON object that matches this JSON schema, and nothing else:\n{schema}"
 
