@@ -725,6 +725,13 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=None, help="the first N tasks (default: all 44)")
     parser.add_argument("--kinds", nargs="+", default=None, help="only these task kinds")
     parser.add_argument("--stride", type=int, default=1, help="every Nth task (a spread over the kinds)")
+    parser.add_argument("--task-ids", nargs="+", default=None, help="only these tasks (ids as in the records)")
+    parser.add_argument(
+        "--answering-instruction",
+        default=None,
+        help="an A/B of the instruction SpecEM rows answer from tool results with "
+        "(specem_core.tools.plan.ANSWER_FROM_RESULTS; default: the shipped one)",
+    )
     parser.add_argument("--only", choices=["agents", "bfcl"], default=None)
     parser.add_argument("--bfcl", nargs="+", default=list(BFCL_FILES), choices=list(BFCL_FILES))
     parser.add_argument("--bfcl-dir", type=Path, default=BFCL_DIR)
@@ -747,6 +754,15 @@ def main() -> None:
         args.out = args.out if args.out != RESULTS else Path(os.devnull)
     args.system = {"off": [False], "on": [True], "both": [False, True]}[args.system]
     tasks = [t for t in TASKS if args.kinds is None or t["kind"] in args.kinds]
+    if args.task_ids:
+        unknown = sorted(set(args.task_ids) - {t["id"] for t in TASKS})
+        if unknown:
+            parser.error(f"unknown task ids: {', '.join(unknown)}")
+        tasks = [t for t in tasks if t["id"] in args.task_ids]
+    if args.answering_instruction:
+        import specem_core.tools.plan
+
+        specem_core.tools.plan.ANSWER_FROM_RESULTS = args.answering_instruction
     if args.smoke:
         tasks = [TASKS[0], TASKS[26]]  # one arithmetic call, one look-up
     tasks = tasks[:: args.stride]

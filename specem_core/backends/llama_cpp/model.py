@@ -458,9 +458,9 @@ def default_flash_attention(file_type: int | None, n_gpu_layers: int) -> bool | 
     own choice, which turns it on) on a GPU and for Q4_1 weights, ``False`` for other weights on a CPU.
 
     Why: on a CPU, flash attention slows down the calls a follow-up turn is made of (a few new
-    tokens on a long cached prefix, candidates scored on a long prompt), and turning it off costs
-    no memory (measured by ``benchmarks/multiturn.py``: docs/reports/performance.md, "Follow-up
-    turns and flash attention"). Q4_1 weights keep it: their kernels are batch-invariant only with
+    tokens on a long cached prefix, candidates scored on a long prompt); measured by
+    ``benchmarks/multiturn.py`` (docs/reports/performance.md, "Follow-up turns and flash
+    attention", with its memory figures). Q4_1 weights keep it: their kernels are batch-invariant only with
     it on, which is what makes their cached scores equal a fresh evaluation bit for bit; the other
     packaged types are batch-invariant neither way.
     """
