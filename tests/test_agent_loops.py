@@ -155,6 +155,25 @@ def test_a_call_the_parser_cannot_read_before_any_result_becomes_a_constrained_c
     assert (plain.content, plain.tool_calls) == (other, [])
 
 
+def test_an_invalid_tagged_call_before_any_result_becomes_a_constrained_call() -> None:
+    """A ``<tool_call>`` that breaks its schema, and nothing else, gave the framework no call and
+    an empty message: an agent loop ended on it. It is re-asked as a constrained call; one the
+    retry writes invalid again is reported (``test_invalid_tool_calls_do_not_raise``)."""
+    expression = '<tool_call>\n{"name": "add", "arguments": {"a": 24, "b": "17 + 9"}}\n</tool_call>'
+    target = '<tool_call>\n{"name": "add", "arguments": {"a": 24, "b": 26}}\n</tool_call>'
+
+    def tagged(request: SessionRequest, committed: str) -> str:
+        text = target if len(member.requests) > 1 else expression  # the retry writes a call that parses
+        return text[len(committed) :] if text.startswith(committed) else ""
+
+    member = Writer("a", tagged)
+    result = engine(member).generate(QUESTION, tools=TOOLS)
+    # before: tool_calls [], invalid_tool_calls [add], content "": the agent's final answer
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("add", {"a": 24, "b": 26})]
+    assert (result.content, result.invalid_tool_calls, result.finish_reason) == ("", [], "tool_calls")
+    assert len(member.requests) == 2
+
+
 def test_a_call_to_a_tool_nobody_gave_becomes_words() -> None:
     """``fast`` on the agents benchmark's ``no-tool-36`` ("How many days are in a week?") answered
     ``{"name": "days_in_week", "arguments": {"value": 7}}``: the final answer was that JSON."""

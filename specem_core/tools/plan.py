@@ -330,8 +330,9 @@ class OutputPlan:
         loop on junk or on nothing: when ``answer_instead`` is given, its events (a run without
         tools) replace the final event. An answer that is only bare call JSON the parser cannot
         read (naming a given tool, e.g. with an expression as an argument) is replaced by
-        ``call_instead``'s events (a constrained call the framework can run); one that is only a
-        call to a tool nobody gave (``{"name": "days_in_week", "arguments": ...}``) by
+        ``call_instead``'s events (a constrained call the framework can run), and so is one that
+        is only invalid ``<tool_call>`` blocks when the retry writes a call that parses; one that is
+        only a call to a tool nobody gave (``{"name": "days_in_week", "arguments": ...}``) by
         ``answer_instead``'s (words).
         """
         if self.answering:
@@ -359,11 +360,16 @@ class OutputPlan:
                     return
                 unread = _unread_call(result, self.tools) if self.choice.mode == "auto" else None
                 instead = {"call": call_instead, "words": answer_instead}.get(unread or "")
-                if instead is not None:
+                if instead is not None and not result.invalid_tool_calls:
                     yield from instead()
                     return
-                delta = stream.finish(result.content or "")
-                yield dataclasses.replace(event, delta=delta, result=result)
+                final = dataclasses.replace(event, delta=stream.finish(result.content or ""), result=result)
+                if instead is not None:  # invalid calls only: the retry's call, if it wrote one that parses
+                    retried = list(instead())  # a call streams no text: nothing is held back
+                    done = retried[-1].result if retried else None
+                    yield from retried if done is not None and done.tool_calls else [final]
+                    return
+                yield final
             else:
                 yield dataclasses.replace(event, delta=stream.feed(text))
 
@@ -395,20 +401,26 @@ def _unusable_final(result: GenerationResult, messages: Sequence[Mapping[str, An
 
 
 def _unread_call(result: GenerationResult, tools: Sequence[Mapping[str, Any]]) -> str | None:
-    """What an answer with no call that is nothing but bare or fenced call JSON needs, since it
-    would end the loop on a raw call: ``"call"`` when it names one of ``tools`` but did not parse
-    (``"b": 17 + 9``), ``"words"`` when it calls a tool nobody gave; ``None`` for anything else.
-    (A ``<tool_call>`` that breaks its schema is reported in ``invalid_tool_calls``, as LangChain
-    expects; bare JSON is free text while it is written, so nothing kept it parseable.)"""
-    if result.tool_calls or result.invalid_tool_calls:
+    """What an answer with no runnable call and no words needs, since it would end the loop on a
+    raw call or on nothing: ``"call"`` when it is only bare or fenced call JSON naming one of
+    ``tools`` that did not parse (``"b": 17 + 9``), or only ``<tool_call>`` blocks naming given
+    tools that are invalid (``"b": 4 * 3``: the framework gets no call and an empty message);
+    ``"words"`` when it calls a tool nobody gave; ``None`` for anything else. (When the
+    constrained retry of invalid calls writes no call that parses either, the first answer's
+    invalid calls are reported in ``invalid_tool_calls``, as LangChain expects.)"""
+    if result.tool_calls:
         return None
     content = (result.content or "").strip()
+    given = {t["function"]["name"] for t in tools}
+    if result.invalid_tool_calls:
+        invalid_only = not answer_words(content) and all(c.name in given for c in result.invalid_tool_calls)
+        return "call" if invalid_only else None
     if not content or answer_words(content):
         return None  # words, or nothing: an answer
     match = _CALL_NAME_RE.search(content)
     if match is None:
         return None
-    if match.group(1) in {t["function"]["name"] for t in tools}:
+    if match.group(1) in given:
         return "call"
     return "words" if _CALL_ARGUMENTS_RE.search(content) else None  # call-shaped, not any JSON with a name
 
