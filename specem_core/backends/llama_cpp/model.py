@@ -118,8 +118,6 @@ class LlamaCppModel:
         if flash_attention is not None and not isinstance(flash_attention, bool):
             raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
         self.file_type = self._file_type()
-        self.flash_attention = flash_attention
-        """As given; ``flash_attn_type`` is what contexts are created with."""
         self.flash_attn_type = flash_attn_type(flash_attention, self.file_type, n_gpu_layers)
         """llama.cpp's ``flash_attn_type``: -1 its own choice (on for these builds), 0 off, 1 on."""
         self.max_contexts = max(1, max_contexts)
