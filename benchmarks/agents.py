@@ -612,9 +612,11 @@ def bfcl_grade(
     return True, ""
 
 
-def load_bfcl(directory: Path, category: str, limit: int | None) -> list[tuple[dict[str, Any], Any]]:
+def load_bfcl(directory: Path, category: str, limit: int | None, start: int = 0) -> list[tuple[dict[str, Any], Any]]:
+    """Cases ``start`` to ``start + limit`` of a category's file, with their possible answers."""
     path = directory / BFCL_FILES[category]
-    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cases = cases[start : start + limit if limit is not None else None]
     answers: dict[str, Any] = {}
     answer_path = directory / f"possible_answer_{BFCL_FILES[category]}"
     if answer_path.exists():
@@ -631,7 +633,7 @@ def run_bfcl(
     records: list[dict[str, Any]] = []
     for row in args.rows:
         for category in args.bfcl:
-            for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit):
+            for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start):
                 messages = case["question"][0]
                 tools = bfcl_tools(case["function"])
                 started = time.perf_counter()
@@ -736,6 +738,12 @@ def main() -> None:
     parser.add_argument("--bfcl", nargs="+", default=list(BFCL_FILES), choices=list(BFCL_FILES))
     parser.add_argument("--bfcl-dir", type=Path, default=BFCL_DIR)
     parser.add_argument("--bfcl-limit", type=int, default=None, help="the first N cases of each category")
+    parser.add_argument(
+        "--bfcl-start",
+        type=int,
+        default=0,
+        help="skip the first N cases of each category (cases a setting was not chosen on)",
+    )
     parser.add_argument("--bfcl-max-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per model call")
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 tasks, 1 BFCL case each")
@@ -752,6 +760,8 @@ def main() -> None:
         args.tasks, args.kinds, args.system, args.bfcl_limit = 2, None, "off", 1
         args.max_tokens, args.bfcl_max_tokens = 32, 48
         args.out = args.out if args.out != RESULTS else Path(os.devnull)
+    if args.bfcl_start < 0:
+        parser.error("--bfcl-start must be >= 0")
     args.system = {"off": [False], "on": [True], "both": [False, True]}[args.system]
     tasks = [t for t in TASKS if args.kinds is None or t["kind"] in args.kinds]
     if args.task_ids:

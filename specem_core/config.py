@@ -33,6 +33,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "self_vote": "keep",
     "trusted_opening_rounds": 0,
     "trusted_veto": False,
+    "trusted_tool_calls": False,
     "segment_boundary": "tokens",
 }
 
@@ -45,8 +46,8 @@ class SpecEMConfig:
     which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
     ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
     ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False``, ``token_healing=False``,
-    ``self_vote="keep"``, ``trusted_opening_rounds=0``, ``trusted_veto=False`` and
-    ``segment_boundary="tokens"``. Each production
+    ``self_vote="keep"``, ``trusted_opening_rounds=0``, ``trusted_veto=False``,
+    ``trusted_tool_calls=False`` and ``segment_boundary="tokens"``. Each production
     default that differs from the authors' code is one of those named options.
 
     Example:
@@ -145,6 +146,16 @@ class SpecEMConfig:
     weights, when a tie in the prior names no single member, or in a round where the trusted
     member drafted or verified nothing. ``False`` (default): the vote alone decides.
     """
+    trusted_tool_calls: bool = False
+    """Once the answer has started a tool call (a ``<tool_call>`` tag, or call JSON, bare or
+    fenced), the trusted member (as in ``trusted_opening_rounds``) writes the rest of that call
+    alone and its drafts are committed without a vote, until the call is closed. A call's argument
+    values are copied or converted from the request ("EUR", "-112.07", "Los Angeles, CA"), where
+    a weaker member's wording can win a likelihood vote and break the call; the rounds also cost
+    one draft instead of every member's drafts and scores (what it measured, chosen on one set of
+    BFCL cases and reported on others: docs/reports/quality.md, "Agents and tool calls"). No
+    effect without tools, without member weights, or when a tie in the prior names no single
+    member. ``False`` (default): the vote decides inside calls too."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True
@@ -246,6 +257,7 @@ _BOOL_FIELDS = (
     "model_exit",
     "exit_keep_trusted",
     "trusted_veto",
+    "trusted_tool_calls",
     "eos_voting",
     "draft_hints",
     "faithful",

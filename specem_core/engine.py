@@ -22,7 +22,7 @@ from specem_core.pool import MemberPool
 from specem_core.presets import DEFAULT_PRESET, Preset, assemble
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
-from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, tool_rounds
+from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, call_in_progress, tool_rounds
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -667,13 +667,12 @@ class _Run:
         if not available:  # every remaining drafter exited: bring them back rather than stall
             self.exited.clear()
             available = [i for i in self._active() if self.members[i].can_draft]
-        # the trusted member writes the opening alone (SpecEMConfig.trusted_opening_rounds)
-        opening = k <= cfg.trusted_opening_rounds and self.opening_drafter in available
-        drafting = [i for i in available if i == self.opening_drafter] if opening else available
+        solo = self._solo_drafter(k, available)
+        drafting = [solo] if solo is not None else available
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
-        if opening and not drafts:  # the trusted member failed and was excluded: the others draft
-            opening = False
+        if solo is not None and not drafts:  # the trusted member failed and was excluded: the others draft
+            solo = None
             drafting = [i for i in available if i in self.sessions]
             drafts = self._draft(drafting, max_tokens, k)
             self._require_drafter()
@@ -713,7 +712,7 @@ class _Run:
         combined, winner = vote.combined, vote.winner
         if cfg.trusted_veto and raw:
             winner = self._veto(winner, owners, verifiers, candidates, raw)
-        if exit_rule is not None and not opening:  # an unvoted opening is no evidence for exit
+        if exit_rule is not None and solo is None:  # an unvoted round is no evidence for exit
             per_member = {owners[n]: combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
             for i in exit_rule.update(k, drafting, per_member, texts):
@@ -734,6 +733,25 @@ class _Run:
             learning_rate=vote.learning_rate,
         )
         return segment, vote.weights, candidates[winner].ended
+
+    def _solo_drafter(self, k: int, available: Sequence[int]) -> int | None:
+        """The trusted member when it writes this round alone: the opening
+        (``trusted_opening_rounds``), or the rest of a tool call the answer has started
+        (``trusted_tool_calls``)."""
+        cfg = self.config
+        if k <= cfg.trusted_opening_rounds and self.opening_drafter in available:
+            return self.opening_drafter
+        trusted = self.trusted
+        if (
+            cfg.trusted_tool_calls
+            and self.tools
+            and trusted is not None
+            and trusted in self.sessions
+            and self.members[trusted].can_draft
+            and call_in_progress(self.text)
+        ):
+            return trusted
+        return None
 
     def _veto(
         self,

@@ -73,6 +73,48 @@ def call_regions(text: str) -> tuple[list[tuple[int, int]], list[str]]:
     return spans, bodies
 
 
+_CALL_FENCE_RE = re.compile(r"^```(?:json)?[ \t]*\n")
+
+
+def _value_open(body: str) -> bool:
+    """Whether the JSON value ``body`` starts with (``{`` or ``[``) is still open at its end."""
+    depth = 0
+    in_string = escape = False
+    for ch in body:
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False
+    return True
+
+
+def call_in_progress(text: str) -> bool:
+    """Whether an answer ends inside a tool call it has started: a ``<tool_call>`` without its
+    close tag, or an answer that began as call JSON (bare, or in a ```` ```json ```` fence) whose
+    value is not closed yet. What follows a closed call is not part of it."""
+    spans, _ = call_regions(text)
+    if spans and not text[: spans[-1][1]].endswith(TOOL_CALL_CLOSE):
+        return True
+    head = text.lstrip()
+    if head.startswith("```"):
+        fence = _CALL_FENCE_RE.match(head)
+        if fence is None:  # a fence still being opened counts once it names json
+            return "\n" not in head and head[3:].strip().startswith("json")
+        head = head[fence.end() :].lstrip()
+    return head.startswith(("{", "[")) and _value_open(head)
+
+
 def _strip_fence(body: str) -> str:
     body = body.strip()
     if body.startswith("```"):
