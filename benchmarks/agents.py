@@ -17,11 +17,12 @@ task runs through
 * ``llamaindex``: LlamaIndex ``FunctionAgent``, ``max_iterations`` 20 (its default);
 
 each without and with a plain system prompt (``--system``). Rows: ``quality`` and ``fast`` (the
-presets), ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and ``peer-1.5b``: llama-cpp-python's
-``create_chat_completion(tools=..., tool_choice="auto")`` on the same GGUF with its own chat
-template (LangGraph only). llama-cpp-python does not parse that template's ``<tool_call>`` text
-(abetlen/llama-cpp-python#1784), so the peer's content is read with SpecEM's Hermes parser, as a
-user of it would have to.
+presets), ``quality-vote-calls`` (``quality`` with ``trusted_tool_calls=False``: the vote decides
+inside calls, the default before), ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and
+``peer-1.5b``: llama-cpp-python's ``create_chat_completion(tools=..., tool_choice="auto")`` on the
+same GGUF with its own chat template (LangGraph only). llama-cpp-python does not parse that
+template's ``<tool_call>`` text (abetlen/llama-cpp-python#1784), so the peer's content is read
+with SpecEM's Hermes parser, as a user of it would have to.
 
 Per task: success, whether the final answer is a raw tool call, whether the framework's limit
 stopped the loop, tool calls, model steps, seconds. BFCL (``../shared/eval/bfcl``; simple,
@@ -65,6 +66,11 @@ PRESET_MEMBERS: dict[str, list[str] | None] = {
     "fast": None,
     "one-1.5b": ["qwen2.5-coder-1.5b"],
     "one-smollm2": ["smollm2"],
+    "quality-vote-calls": None,
+}
+ROW_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # the default before trusted_tool_calls: the vote decides inside tool calls too (an A/B row)
+    "quality-vote-calls": ("quality", {"trusted_tool_calls": False}),
 }
 PEERS = {"peer-1.5b": "qwen2.5-coder-1.5b", "peer-smollm2": "smollm2"}
 
@@ -279,7 +285,8 @@ def specem_engine(row: str, max_tokens: int) -> Any:
     kwargs: dict[str, Any] = {"backend": "llamacpp", "max_new_tokens": max_tokens}
     if members:
         return SpecEM.from_preset("quality", members=members, **kwargs)
-    return SpecEM.from_preset(row, **kwargs)
+    preset, settings = ROW_SETTINGS.get(row, (row, {}))
+    return SpecEM.from_preset(preset, **kwargs, **settings)
 
 
 @functools.cache
@@ -719,7 +726,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", nargs="+", default=["quality", "fast", "one-1.5b", "peer-1.5b"])
+    parser.add_argument(
+        "--rows", nargs="+", default=["quality", "fast", "one-1.5b", "peer-1.5b"], choices=[*PRESET_MEMBERS, *PEERS]
+    )
     parser.add_argument(
         "--frameworks", nargs="+", default=["langgraph", "llamaindex"], choices=["langgraph", "llamaindex"]
     )

@@ -14,6 +14,7 @@ from specem_core.tools import (
     OutputPlan,
     ToolCallConstraint,
     ToolChoice,
+    call_in_progress,
     coerce_arguments,
     loads_lenient,
     normalize_tool_choice,
@@ -185,6 +186,33 @@ def test_parse_bare_json_calls(text):
     parsed = parse_tool_calls(text, TOOLS)
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("magic_function", {"input": 3})]
     assert parsed.content == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "in_call"),
+    [
+        ("", False),
+        ("The weather is fine.", False),
+        ("Let me check. <tool_call>", True),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', True),
+        ('<tool_call>{"name": "a", "arguments": {}}</tool_call>', False),  # closed: what follows is not in it
+        ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"na', True),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"', True),
+        ('  {"name": "get_weather", "arguments": {"city": "a}b"}', True),  # a brace inside a string
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', False),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', False),
+        ('[{"name": "a", "arguments": {}}, {"name": "b"', True),
+        ("```json", True),  # a fence naming json, before its first line
+        ('```json\n{\n  "name": "calculate_distance",\n  "arguments": {\n    "coord1": [33.44', True),
+        ('```\n{"name": "a", "arguments": {"x": "\\"q\\""', True),  # an escaped quote
+        ('```json\n{"name": "a", "arguments": {}}\n```', False),
+        ("```", False),  # which fence, not known yet
+        ("```python\nprint({'a': 1", False),  # code, not a call
+        ("Use {braces} like this", False),  # only an answer that starts as JSON
+    ],
+)
+def test_call_in_progress_tells_whether_the_answer_ends_inside_a_started_call(text, in_call):
+    assert call_in_progress(text) is in_call
 
 
 def test_plain_json_answer_is_not_a_call():
@@ -501,6 +529,35 @@ def test_constraint_overrules_the_vote_inside_a_call():
     result = _engine(a, b).generate("Weather?", tools=[WEATHER])
     assert [s.winner for s in result.segments] == ["a", "a"]
     assert result.tool_calls[0].arguments == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    ("trusted_tool_calls", "tools", "drafters", "city"),
+    [
+        (True, True, [["a", "b"], ["b"]], "Oslo"),  # b, the trusted member, writes the call's rest alone
+        (False, True, [["a", "b"], ["a", "b"]], "Rome"),  # the vote: a's higher-scored value wins
+        (True, False, [["a", "b"], ["a", "b"]], "Rome"),  # no tools: no call to write
+    ],
+)
+def test_trusted_tool_calls_let_the_trusted_member_write_a_started_call(trusted_tool_calls, tools, drafters, city):
+    from scripted import ScriptedMember
+
+    from specem_core import MemberWeights, SpecEM, SpecEMConfig
+
+    opening = ('<tool_call>\n{"name": "get_weather", ', False)
+    prefer_rome = lambda committed, c: 10.0 if "Rome" in c.text else 1.0  # noqa: E731
+    a = ScriptedMember("a", [opening, ('"arguments": {"city": "Rome"}}</tool_call>', True)], scorer=prefer_rome)
+    b = ScriptedMember("b", [opening, ('"arguments": {"city": "Oslo"}}</tool_call>', True)], scorer=prefer_rome)
+    config = SpecEMConfig(segment_len=4, max_new_tokens=64, trusted_tool_calls=trusted_tool_calls)
+    engine = SpecEM([a, b], config, weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
+    result = engine.generate("Weather?", tools=[WEATHER] if tools else None)
+    assert [s.drafters for s in result.segments] == drafters
+    assert f'"city": "{city}"' in result.text
+    if tools:
+        assert result.tool_calls[0].arguments == {"city": city}
+    if drafters[1] == ["b"]:  # an unvoted round: nobody scored, nothing to learn from
+        assert (result.segments[1].verifiers, result.segments[1].raw_scores) == ([], [])
+    assert SpecEMConfig(trusted_tool_calls=True, faithful=True).trusted_tool_calls is False
 
 
 def test_every_candidate_broken_means_trimmed_candidates():
