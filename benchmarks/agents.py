@@ -262,18 +262,45 @@ def is_raw_call(text: str) -> bool:
     return bool(_RAW_CALL.search(text))
 
 
-def grade(answer: float | str, text: str) -> bool:
-    """The expected number within 1% (or 0.01) among the answer's numbers, or the expected word."""
-    if isinstance(answer, str):
-        return answer.lower() in text.lower()
+def _numbers(text: str) -> list[float]:
+    values = []
     for m in _NUMBER.findall(text):
         try:
-            value = float(m.replace(",", ""))
+            values.append(float(m.replace(",", "")))
         except ValueError:
             continue
-        if math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01):
-            return True
-    return False
+    return values
+
+
+def grade(answer: float | str, text: str, question: str = "") -> bool:
+    """The expected word, or the expected number within 1% (or 0.01): the answer's last number,
+    or any of its numbers that does not restate the question's (each of the question's numbers
+    sets aside one equal number of the answer). So "100 minus 36, divided by 8 is 2.78" does not
+    pass for 8 on its operand 8, while "… divided by 8 is 8", "It is 8." and "5535 is 123 times
+    45" pass."""
+    if isinstance(answer, str):
+        return answer.lower() in text.lower()
+    values = _numbers(text)
+    if not values:
+        return False
+    last = values[-1]
+    for asked in _numbers(question):
+        if asked in values:
+            values.remove(asked)
+    return any(math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01) for value in [*values, last])
+
+
+def regrade(records: list[dict[str, Any]]) -> int:
+    """Grade agent records again from their final answers with :func:`grade` (no model work);
+    returns how many changed."""
+    tasks = {t["id"]: t for t in TASKS}
+    changed = 0
+    for r in records:
+        task = tasks[r["task"]]
+        ok = grade(task["answer"], r["final"] or "", task["question"]) and not r["limit"] and not r["error"]
+        changed += ok != r["ok"]
+        r["ok"] = ok
+    return changed
 
 
 # -- rows ------------------------------------------------------------------------------------------
@@ -476,7 +503,9 @@ def run_tasks(
                         "system": system,
                         "task": task["id"],
                         "kind": task["kind"],
-                        "ok": grade(task["answer"], out["final"]) and not out["limit"] and not out["error"],
+                        "ok": grade(task["answer"], out["final"], task["question"])
+                        and not out["limit"]
+                        and not out["error"],
                         "raw_call": is_raw_call(out["final"]),
                         "seconds": round(seconds, 2),
                         **out,
@@ -763,7 +792,21 @@ def main() -> None:
         help="keep the records of --out's other cells (row x framework x system prompt, row x BFCL category): "
         "a grid run in pieces; the cells this run measures are replaced",
     )
+    parser.add_argument(
+        "--regrade",
+        action="store_true",
+        help="grade --out's agent records again from their final answers with this script's grader "
+        "(no model runs) and rewrite its summaries",
+    )
     args = parser.parse_args()
+    if args.regrade:
+        old = json.loads(args.out.read_text())
+        changed = regrade(old["agents"]["records"])
+        old["agents"]["summary"] = summarize_tasks(old["agents"]["records"])
+        old.setdefault("regraded", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_version()})
+        args.out.write_text(json.dumps(old, indent=1, default=str) + "\n")
+        print(f"regraded {args.out}: {changed} records changed")
+        return
     if args.smoke:
         args.rows = ["one-smollm2", "peer-smollm2"]
         args.tasks, args.kinds, args.system, args.bfcl_limit = 2, None, "off", 1
