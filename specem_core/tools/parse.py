@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,26 +76,36 @@ def call_regions(text: str) -> tuple[list[tuple[int, int]], list[str]]:
 _CALL_FENCE_RE = re.compile(r"^```(?:json)?[ \t]*\n")
 
 
+class _JsonScan:
+    """The structural characters (``{ [ ] }``) of JSON text outside its strings; after the
+    iteration, whether the text ended inside a string, and just after a backslash there."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.in_string = self.escape = False
+
+    def __iter__(self) -> Iterator[str]:
+        for ch in self.text:
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[]}":
+                yield ch
+
+
 def _value_open(body: str) -> bool:
     """Whether the JSON value ``body`` starts with (``{`` or ``[``) is still open at its end."""
     depth = 0
-    in_string = escape = False
-    for ch in body:
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth <= 0:
-                return False
+    for ch in _JsonScan(body):
+        depth += 1 if ch in "{[" else -1
+        if depth <= 0:
+            return False
     return True
 
 
@@ -127,27 +137,17 @@ def _strip_fence(body: str) -> str:
 def _close_json(text: str) -> str | None:
     """Close the strings, objects and arrays a truncated JSON text left open (best effort)."""
     stack: list[str] = []
-    in_string = False
-    escape = False
-    for ch in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    scan = _JsonScan(text)
+    for ch in scan:
+        if ch in "{[":
             stack.append("}" if ch == "{" else "]")
-        elif ch in "}]":
+        else:
             if not stack or stack[-1] != ch:
                 return None
             stack.pop()
     out = text
-    if in_string:
-        out += "\\" if escape else ""
+    if scan.in_string:
+        out += "\\" if scan.escape else ""
         out += '"'
     out = out.rstrip()
     while True:  # drop a dangling separator or a key without its value
