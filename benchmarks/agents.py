@@ -290,14 +290,18 @@ def grade(answer: float | str, text: str, question: str = "") -> bool:
     return any(math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01) for value in [*values, last])
 
 
+def task_ok(task: dict[str, Any], out: dict[str, Any]) -> bool:
+    """A loop succeeded: its final answer is right, and it ended without an error or the limit."""
+    return grade(task["answer"], out["final"] or "", task["question"]) and not out["limit"] and not out["error"]
+
+
 def regrade(records: list[dict[str, Any]]) -> int:
-    """Grade agent records again from their final answers with :func:`grade` (no model work);
+    """Grade agent records again from their final answers with :func:`task_ok` (no model work);
     returns how many changed."""
     tasks = {t["id"]: t for t in TASKS}
     changed = 0
     for r in records:
-        task = tasks[r["task"]]
-        ok = grade(task["answer"], r["final"] or "", task["question"]) and not r["limit"] and not r["error"]
+        ok = task_ok(tasks[r["task"]], r)
         changed += ok != r["ok"]
         r["ok"] = ok
     return changed
@@ -503,9 +507,7 @@ def run_tasks(
                         "system": system,
                         "task": task["id"],
                         "kind": task["kind"],
-                        "ok": grade(task["answer"], out["final"], task["question"])
-                        and not out["limit"]
-                        and not out["error"],
+                        "ok": task_ok(task, out),
                         "raw_call": is_raw_call(out["final"]),
                         "seconds": round(seconds, 2),
                         **out,

@@ -746,8 +746,7 @@ class _Run:
             cfg.trusted_tool_calls
             and self.tools
             and trusted is not None
-            and trusted in self.sessions
-            and self.members[trusted].can_draft
+            and trusted in self.sessions  # a drafter (_trusted_drafter) not excluded since
             and call_in_progress(self.text)
         ):
             return trusted
