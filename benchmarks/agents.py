@@ -4,6 +4,7 @@
     python benchmarks/agents.py --rows one-1.5b quality --frameworks langgraph --tasks 10
     python benchmarks/agents.py --only bfcl --bfcl-limit 50
     python benchmarks/agents.py --frameworks llamaindex --append  # another piece of the grid, same file
+    python benchmarks/agents.py --frameworks llamaindex --shuffle 1 --out /tmp/order1.json  # another task order
     python benchmarks/agents.py --smoke                           # seconds: SmolLM2, 2 tasks, 1 BFCL case each
 
 Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (the
@@ -41,6 +42,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import subprocess
 import sys
@@ -487,6 +489,15 @@ def run_llamaindex(row: str, task: dict[str, Any], system: bool, max_tokens: int
     return out
 
 
+def order_tasks(tasks: list[dict[str, Any]], seed: int | None) -> list[dict[str, Any]]:
+    """The tasks in file order, or shuffled by ``seed`` (the same seed, the same order)."""
+    if seed is None:
+        return list(tasks)
+    shuffled = list(tasks)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled
+
+
 def run_tasks(
     args: argparse.Namespace, tasks: list[dict[str, Any]], progress: Callable[[list[dict[str, Any]]], None]
 ) -> list[dict[str, Any]]:
@@ -769,6 +780,14 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=1, help="every Nth task (a spread over the kinds)")
     parser.add_argument("--task-ids", nargs="+", default=None, help="only these tasks (ids as in the records)")
     parser.add_argument(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run the tasks in this seed's order: through the prefix cache each task's numerics depend on "
+        "the tasks before it, so a second order measures that run-to-run noise (default: file order)",
+    )
+    parser.add_argument(
         "--answering-instruction",
         default=None,
         help="an A/B of the instruction SpecEM rows answer from tool results with "
@@ -831,6 +850,7 @@ def main() -> None:
         tasks = [TASKS[0], TASKS[26]]  # one arithmetic call, one look-up
     tasks = tasks[:: args.stride]
     tasks = tasks[: args.tasks] if args.tasks else tasks
+    tasks = order_tasks(tasks, args.shuffle)
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     bfcl: list[dict[str, Any]] = []

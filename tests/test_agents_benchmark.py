@@ -42,3 +42,14 @@ def test_regrade_grades_the_records_again_from_their_final_answers() -> None:
     assert task["answer"] == 8
     assert agents.regrade(records) == 2
     assert [r["ok"] for r in records] == [False, True, False]
+
+
+def test_order_tasks_keeps_file_order_or_shuffles_the_same_way_for_a_seed() -> None:
+    tasks = agents.TASKS
+    assert agents.order_tasks(tasks, None) == tasks
+    first, again, other = (agents.order_tasks(tasks, seed) for seed in (1, 1, 2))
+    assert first == again
+    assert first != tasks
+    assert first != other
+    assert sorted(t["id"] for t in first) == sorted(t["id"] for t in tasks)
+    assert [t["id"] for t in tasks][:2] == ["arith-1-00", "arith-1-01"]  # the input is not shuffled in place
