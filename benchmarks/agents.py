@@ -21,9 +21,10 @@ each without and with a plain system prompt (``--system``). Rows: ``quality`` an
 presets), ``quality-vote-calls`` (``quality`` with ``trusted_tool_calls=False``: the vote decides
 inside calls, the default before), ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and
 ``peer-1.5b``: llama-cpp-python's ``create_chat_completion(tools=..., tool_choice="auto")`` on the
-same GGUF with its own chat template (LangGraph only). llama-cpp-python does not parse that
-template's ``<tool_call>`` text (abetlen/llama-cpp-python#1784), so the peer's content is read
-with SpecEM's Hermes parser, as a user of it would have to.
+same GGUF with its own chat template (in LlamaIndex through :func:`peer_llamaindex_llm`, a small
+function-calling adapter over that call). llama-cpp-python does not parse that template's
+``<tool_call>`` text (abetlen/llama-cpp-python#1784), so the peer's content is read with SpecEM's
+Hermes parser, as a user of it would have to.
 
 Per task: success, whether the final answer is a raw tool call, whether the framework's limit
 stopped the loop, tool calls, model steps, seconds. BFCL (``../shared/eval/bfcl``; simple,
@@ -415,6 +416,92 @@ def peer_chat_model(model: str, max_tokens: int) -> Any:
     return PeerChat()
 
 
+def peer_llamaindex_llm(model: str, max_tokens: int) -> Any:
+    """A LlamaIndex function-calling LLM over :func:`peer_complete` (tool calls as ``ToolCallBlock`` s).
+
+    llama-index-llms-llama-cpp's ``LlamaCPP`` is a completion LLM without tool calling, which
+    ``FunctionAgent`` does not take: a user of the peer in LlamaIndex writes an adapter like this one.
+    """
+    from collections.abc import AsyncGenerator, Generator, Sequence
+
+    from llama_index.core.base.llms.types import (
+        ChatMessage,
+        ChatResponse,
+        CompletionResponse,
+        LLMMetadata,
+        MessageRole,
+        TextBlock,
+        ToolCallBlock,
+    )
+    from llama_index.core.llms.function_calling import FunctionCallingLLM
+    from llama_index.core.llms.llm import ToolSelection
+
+    from specem_integrations.llamaindex._convert import to_engine_messages
+
+    class PeerLLM(FunctionCallingLLM):
+        @property
+        def metadata(self) -> LLMMetadata:
+            return LLMMetadata(
+                is_chat_model=True, is_function_calling_model=True, model_name=f"llama-cpp-python:{model}"
+            )
+
+        def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+            content, calls = peer_complete(model, to_engine_messages(messages), kwargs.get("tools") or [], max_tokens)
+            blocks: list[Any] = [TextBlock(text=content)]
+            blocks += [
+                ToolCallBlock(tool_call_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls
+            ]
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks), delta=content)
+
+        def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generator[ChatResponse, None, None]:
+            yield self.chat(messages, **kwargs)
+
+        async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+            return self.chat(messages, **kwargs)
+
+        async def astream_chat(
+            self, messages: Sequence[ChatMessage], **kwargs: Any
+        ) -> AsyncGenerator[ChatResponse, None]:
+            async def gen() -> AsyncGenerator[ChatResponse, None]:
+                yield self.chat(messages, **kwargs)
+
+            return gen()
+
+        def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+            raise NotImplementedError("the peer is chat-only here")
+
+        stream_complete = acomplete = astream_complete = complete  # type: ignore[assignment]
+
+        def _prepare_chat_with_tools(
+            self,
+            tools: Sequence[Any],
+            user_msg: str | ChatMessage | None = None,
+            chat_history: list[ChatMessage] | None = None,
+            verbose: bool = False,
+            allow_parallel_tool_calls: bool = False,
+            **kwargs: Any,
+        ) -> dict[str, Any]:
+            messages = list(chat_history or [])
+            if user_msg is not None:
+                messages.append(
+                    ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg
+                )
+            return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools]}
+
+        def get_tool_calls_from_response(
+            self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+        ) -> list[ToolSelection]:
+            blocks = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+            if not blocks and error_on_no_tool_call:
+                raise ValueError(f"expected a tool call, got none: {response.message.content!r}")
+            return [
+                ToolSelection(tool_id=b.tool_call_id or "call_0", tool_name=b.tool_name, tool_kwargs=b.tool_kwargs)
+                for b in blocks
+            ]
+
+    return PeerLLM()
+
+
 # -- agent runs ------------------------------------------------------------------------------------
 def run_langgraph(row: str, task: dict[str, Any], system: bool, max_tokens: int) -> dict[str, Any]:
     from langchain.agents import create_agent
@@ -466,7 +553,10 @@ def run_llamaindex(row: str, task: dict[str, Any], system: bool, max_tokens: int
     from specem_integrations.llamaindex import SpecEMLLM
 
     tools = [FunctionTool.from_defaults(fn=fn) for fn in task_tools(task)]
-    llm = SpecEMLLM(engine=specem_engine(row, max_tokens), max_tokens=max_tokens)
+    if row in PEERS:
+        llm: Any = peer_llamaindex_llm(PEERS[row], max_tokens)
+    else:
+        llm = SpecEMLLM(engine=specem_engine(row, max_tokens), max_tokens=max_tokens)
     agent = FunctionAgent(tools=tools, llm=llm, system_prompt=SYSTEM_PROMPT if system else None)
     out: dict[str, Any] = {"limit": False, "error": None, "tool_calls": 0, "steps": 0, "final": ""}
 
@@ -504,8 +594,6 @@ def run_tasks(
     records: list[dict[str, Any]] = []
     for row in args.rows:
         for framework in args.frameworks:
-            if framework == "llamaindex" and row in PEERS:
-                continue  # no llama-cpp-python LLM for LlamaIndex installed here: the peer is LangGraph only
             for system in args.system:
                 for task in tasks:
                     run = run_langgraph if framework == "langgraph" else run_llamaindex
