@@ -4,7 +4,7 @@
     python benchmarks/agents.py --rows one-1.5b quality --frameworks langgraph --tasks 10
     python benchmarks/agents.py --only bfcl --bfcl-limit 50
     python benchmarks/agents.py --frameworks llamaindex --append  # another piece of the grid, same file
-    python benchmarks/agents.py --frameworks llamaindex --shuffle 1 --out /tmp/order1.json  # another task order
+    python benchmarks/agents.py --only agents --shuffle 1 --out /tmp/o1.json  # the tasks in another order
     python benchmarks/agents.py --smoke                           # seconds: SmolLM2, 2 tasks, 1 BFCL case each
 
 Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (the
@@ -899,7 +899,8 @@ def main() -> None:
         "--append",
         action="store_true",
         help="keep the records of --out's other cells (row x framework x system prompt, row x BFCL category): "
-        "a grid run in pieces; the cells this run measures are replaced",
+        "a grid run in pieces; the cells this run measures are replaced (without --only a run measures, "
+        "and so replaces, its rows' BFCL cells too)",
     )
     parser.add_argument(
         "--regrade",
