@@ -18,13 +18,15 @@ task runs through
 * ``llamaindex``: LlamaIndex ``FunctionAgent``, ``max_iterations`` 20 (its default);
 
 each without and with a plain system prompt (``--system``). Rows: ``quality`` and ``fast`` (the
-presets), ``quality-vote-calls`` (``quality`` with ``trusted_tool_calls=False``: the vote decides
-inside calls, the default before), ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and
-``peer-1.5b``: llama-cpp-python's ``create_chat_completion(tools=..., tool_choice="auto")`` on the
-same GGUF with its own chat template (in LlamaIndex through :func:`peer_llamaindex_llm`, a small
-function-calling adapter over that call). llama-cpp-python does not parse that template's
-``<tool_call>`` text (abetlen/llama-cpp-python#1784), so the peer's content is read with SpecEM's
-Hermes parser, as a user of it would have to.
+presets), two A/B rows of ``quality``'s earlier defaults: ``quality-solo-opening``
+(``unanimous_tool_calls=False``: the 1.5B alone decides whether the answer opens with a call) and
+``quality-vote-calls`` (also ``trusted_tool_calls=False``: the vote decides inside calls),
+``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and ``peer-1.5b``: llama-cpp-python's
+``create_chat_completion(tools=..., tool_choice="auto")`` on the same GGUF with its own chat
+template (in LlamaIndex through :func:`peer_llamaindex_llm`, a small function-calling adapter over
+that call). llama-cpp-python does not parse that template's ``<tool_call>`` text
+(abetlen/llama-cpp-python#1784), so the peer's content is read with SpecEM's Hermes parser, as a
+user of it would have to.
 
 Per task: success, whether the final answer is a raw tool call, whether the framework's limit
 stopped the loop, tool calls, model steps, seconds. BFCL (``../shared/eval/bfcl``; simple,
@@ -70,10 +72,13 @@ PRESET_MEMBERS: dict[str, list[str] | None] = {
     "one-1.5b": ["qwen2.5-coder-1.5b"],
     "one-smollm2": ["smollm2"],
     "quality-vote-calls": None,
+    "quality-solo-opening": None,
 }
 ROW_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     # the default before trusted_tool_calls: the vote decides inside tool calls too (an A/B row)
-    "quality-vote-calls": ("quality", {"trusted_tool_calls": False}),
+    "quality-vote-calls": ("quality", {"trusted_tool_calls": False, "unanimous_tool_calls": False}),
+    # the default before unanimous_tool_calls: the 1.5B alone decides whether the answer opens with a call
+    "quality-solo-opening": ("quality", {"unanimous_tool_calls": False}),
 }
 PEERS = {"peer-1.5b": "qwen2.5-coder-1.5b", "peer-smollm2": "smollm2"}
 

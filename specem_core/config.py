@@ -34,6 +34,7 @@ _FAITHFUL_OVERRIDES: dict[str, Any] = {
     "trusted_opening_rounds": 0,
     "trusted_veto": False,
     "trusted_tool_calls": False,
+    "unanimous_tool_calls": False,
     "segment_boundary": "tokens",
 }
 
@@ -47,7 +48,7 @@ class SpecEMConfig:
     ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
     ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False``, ``token_healing=False``,
     ``self_vote="keep"``, ``trusted_opening_rounds=0``, ``trusted_veto=False``,
-    ``trusted_tool_calls=False`` and ``segment_boundary="tokens"``. Each production
+    ``trusted_tool_calls=False``, ``unanimous_tool_calls=False`` and ``segment_boundary="tokens"``. Each production
     default that differs from the authors' code is one of those named options.
 
     Example:
@@ -156,6 +157,16 @@ class SpecEMConfig:
     BFCL cases and reported on others: docs/reports/quality.md, "Agents and tool calls"). No
     effect without tools, without member weights, or when a tie in the prior names no single
     member. ``False`` (default): the vote decides inside calls too."""
+    unanimous_tool_calls: bool = False
+    """With tools offered and ``tool_choice="auto"``, an answer opens with a tool call only when
+    every drafter's opening does: in the first round every drafter drafts (also under
+    ``trusted_opening_rounds``), and when some openings are words and others start a call, the
+    calls are dropped and the words go on (the trusted member's among them, else the vote's).
+    A larger member trained to call tools calls one even for a question none of them answers,
+    where a smaller one answers in words; a model that opens in words where a tool fits is rare
+    (what it measured, chosen on one set of BFCL cases and reported on others:
+    docs/reports/quality.md, "Agents and tool calls"). The first round costs every drafter's
+    draft. ``False`` (default): the opening is drafted and chosen as any other round."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True
@@ -258,6 +269,7 @@ _BOOL_FIELDS = (
     "exit_keep_trusted",
     "trusted_veto",
     "trusted_tool_calls",
+    "unanimous_tool_calls",
     "eos_voting",
     "draft_hints",
     "faithful",

@@ -22,7 +22,7 @@ from specem_core.pool import MemberPool
 from specem_core.presets import DEFAULT_PRESET, Preset, assemble
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
-from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, call_in_progress, tool_rounds
+from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, call_in_progress, opens_call, tool_rounds
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -668,7 +668,8 @@ class _Run:
             self.exited.clear()
             available = [i for i in self._active() if self.members[i].can_draft]
         solo = self._solo_drafter(k, available)
-        drafting = [solo] if solo is not None else available
+        call_opening = self._deciding_call_opening(k)
+        drafting = [solo] if solo is not None and not call_opening else available
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
         if solo is not None and not drafts:  # the trusted member failed and was excluded: the others draft
@@ -690,6 +691,8 @@ class _Run:
             candidates = [to_line_end(c) for c in candidates]
         if self.constraint is not None:
             owners, candidates = constrain(self.constraint, self.text, owners, candidates, self._vote_choice)
+        if call_opening:
+            owners, candidates = self._unanimous_call_opening(owners, candidates, solo)
 
         verifiers = [i for i in self._active() if self.members[i].can_verify]
         raw: list[list[float]] = []
@@ -751,6 +754,26 @@ class _Run:
         ):
             return trusted
         return None
+
+    def _deciding_call_opening(self, k: int) -> bool:
+        """Whether this round decides if the answer opens with a tool call or in words
+        (``unanimous_tool_calls``): the first round of an answer that may call a tool (tools
+        offered, nothing forced)."""
+        return self.config.unanimous_tool_calls and k == 1 and bool(self.tools) and not self.text
+
+    def _unanimous_call_opening(
+        self, owners: list[int], candidates: list[Candidate], solo: int | None
+    ) -> tuple[list[int], list[Candidate]]:
+        """``unanimous_tool_calls``: the openings that start a call are dropped when another
+        opening is words; then the trusted member's opening, when it drafts the opening alone
+        (``trusted_opening_rounds``) and is among those left, is the only one."""
+        words = [n for n, c in enumerate(candidates) if c.text.strip() and not opens_call(c.text)]
+        keep = list(range(len(candidates)))
+        if words and any(opens_call(c.text) for c in candidates):
+            keep = words
+        if solo is not None and solo in owners and owners.index(solo) in keep:
+            keep = [owners.index(solo)]
+        return [owners[n] for n in keep], [candidates[n] for n in keep]
 
     def _veto(
         self,

@@ -19,6 +19,7 @@ from specem_core.tools import (
     loads_lenient,
     normalize_tool_choice,
     normalize_tools,
+    opens_call,
     parse_tool_calls,
     visible_content,
 )
@@ -558,6 +559,71 @@ def test_trusted_tool_calls_let_the_trusted_member_write_a_started_call(trusted_
     if drafters[1] == ["b"]:  # an unvoted round: nobody scored, nothing to learn from
         assert (result.segments[1].verifiers, result.segments[1].raw_scores) == ([], [])
     assert SpecEMConfig(trusted_tool_calls=True, faithful=True).trusted_tool_calls is False
+
+
+@pytest.mark.parametrize(
+    ("text", "is_call"),
+    [
+        ('<tool_call>\n{"name": "get_weather", ', True),
+        ("Let me check. <tool_call>", True),
+        ('  {"name": "get_weather"', True),
+        ('[{"name": "a"', True),
+        ('```json\n{\n  "name": "calculate', True),
+        ('```\n{"name": "a"', True),  # a fence naming nothing, with JSON in it
+        ("```", True),  # which fence, not known yet: it may still name json
+        ("```python\nprint(1)", False),
+        ("```\nprint(1)", False),
+        ("To find the slope of the line", False),
+        ("The mass of an electron is {about} 9.1e-31 kg", False),  # braces later are words
+        ("", False),
+        ("   ", False),
+    ],
+)
+def test_opens_call_tells_whether_an_opening_starts_a_call(text, is_call):
+    assert opens_call(text) is is_call
+
+
+_CALL_OPENING = ('<tool_call>\n{"name": "get_weather", ', False)
+
+
+@pytest.mark.parametrize(
+    ("unanimous", "small_opening", "tools", "tool_choice", "drafters", "opening", "winner"),
+    [
+        # the trusted member b opens with a call, a in words: the answer opens in a's words
+        (True, ("It may rain", False), True, None, ["a", "b"], "It may rain", "a"),
+        # both open with a call: the call stands, and b's opening is the only one (trusted opening)
+        (True, _CALL_OPENING, True, None, ["a", "b"], _CALL_OPENING[0], "b"),
+        # the rule off: b drafts the opening alone, as before
+        (False, ("It may rain", False), True, None, ["b"], _CALL_OPENING[0], "b"),
+        # no tools, or a forced call: nothing to decide
+        (True, ("It may rain", False), False, None, ["b"], _CALL_OPENING[0], "b"),
+        (True, ("It may rain", False), True, "required", ["b"], None, "b"),
+    ],
+)
+def test_unanimous_tool_calls_open_in_words_when_a_drafter_would(
+    unanimous, small_opening, tools, tool_choice, drafters, opening, winner
+):
+    from scripted import ScriptedMember
+
+    from specem_core import MemberWeights, SpecEM, SpecEMConfig
+
+    a = ScriptedMember("a", [small_opening, (" today.", True)])
+    b = ScriptedMember("b", [_CALL_OPENING, (" today.", True)])  # a script: the same whatever came before
+    config = SpecEMConfig(segment_len=4, max_new_tokens=64, trusted_opening_rounds=2, unanimous_tool_calls=unanimous)
+    engine = SpecEM([a, b], config, weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
+    events = list(engine.stream("Weather?", tools=[WEATHER] if tools else None, tool_choice=tool_choice))
+    first = events[0].segment
+    assert first is not None
+    assert (first.drafters, first.winner) == (drafters, winner)
+    assert [c.member for c in first.candidates] == ([winner] if len(drafters) == 1 or unanimous else drafters)
+    if opening is not None:
+        assert first.text == opening
+    assert (first.verifiers, first.raw_scores) == ([], [])  # one opening left: nobody votes on it
+    result = events[-1].result
+    assert result is not None
+    if opening == "It may rain":
+        assert (result.text, result.tool_calls) == ("It may rain today.", [])  # b went on in words
+    assert SpecEMConfig(unanimous_tool_calls=True, faithful=True).unanimous_tool_calls is False
 
 
 def test_every_candidate_broken_means_trimmed_candidates():

@@ -41,6 +41,7 @@ from specem_core.tools.parse import (
     call_in_progress,
     loads_lenient,
     new_call_id,
+    opens_call,
     parse_tool_calls,
 )
 from specem_core.tools.plan import (
@@ -95,6 +96,7 @@ __all__ = [
     "normalize_tool",
     "normalize_tool_choice",
     "normalize_tools",
+    "opens_call",
     "parse_tool_calls",
     "reapplies_last_call",
     "repeats_answered_calls",

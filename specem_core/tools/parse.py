@@ -125,6 +125,23 @@ def call_in_progress(text: str) -> bool:
     return head.startswith(("{", "[")) and _value_open(head)
 
 
+def opens_call(text: str) -> bool:
+    """Whether an answer's opening starts a tool call: call markup anywhere in it, or call JSON
+    as its first non-space text (bare, an array, or in a code fence that names json or nothing; a
+    fence whose first line is not complete yet counts while it may still name json). An empty
+    opening starts nothing."""
+    head = text.lstrip()
+    if TOOL_CALL_OPEN in head or head.startswith(("{", "[")):
+        return True
+    if not head.startswith("```"):
+        return False
+    language, newline, body = head[3:].partition("\n")
+    language = language.strip()
+    if not newline:
+        return "json".startswith(language)
+    return language == "json" or (not language and body.lstrip().startswith(("{", "[")))
+
+
 def _strip_fence(body: str) -> str:
     body = body.strip()
     if body.startswith("```"):
