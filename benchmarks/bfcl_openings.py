@@ -1,0 +1,122 @@
+"""How each member of a preset opens its answer to BFCL cases: with a tool call, or in words.
+
+    python benchmarks/bfcl_openings.py --bfcl-limit 100                   # quality's members, first 100
+    python benchmarks/bfcl_openings.py --bfcl-start 100 --bfcl-limit 100 --out /tmp/held_out.json
+    python benchmarks/bfcl_openings.py --preset fast --bfcl irrelevance --bfcl-limit 20
+
+Each member alone drafts the first segment of its answer (``--segment-len`` tokens, greedy), with
+the case's tools rendered as the preset's engine renders them (``tool_choice="auto"``), and the
+record says whether that opening starts a call (:func:`specem_core.tools.opens_call`). This is the
+evidence ``SpecEMConfig.unanimous_tool_calls`` was chosen on: where the 1.5B opens with a call and
+the 0.5B in words, the answer opens in words (docs/reports/quality.md, "Agents and tool calls").
+A case the whole answer needs (its grade) is ``benchmarks/agents.py --only bfcl``. Writes
+``benchmarks/results/bfcl_openings.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from agents import BFCL_DIR, BFCL_FILES, bfcl_tools, code_version, load_bfcl  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "bfcl_openings.json"
+
+
+def openings(
+    members: list[Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]], segment_len: int
+) -> dict[str, dict[str, Any]]:
+    """Each member's greedy opening to one request, and whether it starts a call."""
+    from specem_core.backends.base import SamplingParams, SessionRequest
+    from specem_core.tools import OutputPlan, opens_call
+    from specem_core.types import validate_messages
+
+    plan = OutputPlan.build(tools, "auto")
+    assert plan is not None
+    prepared = plan.prepare_messages(validate_messages(messages))
+    out: dict[str, dict[str, Any]] = {}
+    for member in members:
+        started = time.perf_counter()
+        session = member.open(SessionRequest(prepared, plan.tools, None))
+        try:
+            text = session.draft(segment_len, SamplingParams()).text
+        finally:
+            session.close()
+        out[member.name] = {
+            "text": text,
+            "call": opens_call(text),
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="quality")
+    parser.add_argument("--members", nargs="+", default=None, help="packaged model names instead of the preset's")
+    parser.add_argument("--bfcl", nargs="+", default=["irrelevance", "simple", "multiple"], choices=list(BFCL_FILES))
+    parser.add_argument("--bfcl-dir", type=Path, default=BFCL_DIR)
+    parser.add_argument("--bfcl-start", type=int, default=0)
+    parser.add_argument("--bfcl-limit", type=int, default=None)
+    parser.add_argument("--segment-len", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    from specem_core import SpecEM
+
+    overrides: dict[str, Any] = {"members": args.members} if args.members else {}
+    engine = SpecEM.from_preset(args.preset, backend="llamacpp", **overrides)
+    segment_len = args.segment_len or engine.config.segment_len
+    settings = {
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
+        "segment_len": segment_len,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "code": code_version(),
+    }
+    records: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for category in args.bfcl:
+        for case, _ in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start):
+            opened = openings(engine.members, case["question"][0], bfcl_tools(case["function"]), segment_len)
+            records.append({"category": category, "id": case["id"], "openings": opened})
+            print(category, case["id"], {name: o["call"] for name, o in opened.items()}, flush=True)
+    summary = []
+    for category in args.bfcl:
+        rows = [r for r in records if r["category"] == category]
+        calls = Counter(tuple(o["call"] for o in r["openings"].values()) for r in rows)
+        names = list(rows[0]["openings"]) if rows else []
+        summary.append(
+            {
+                "category": category,
+                "cases": len(rows),
+                "calls": {name: sum(r["openings"][name]["call"] for r in rows) for name in names},
+                "members": names,
+                "patterns": {"".join("C" if c else "w" for c in k): n for k, n in sorted(calls.items())},
+            }
+        )
+    result = {
+        "settings": settings,
+        "seconds": round(time.perf_counter() - started, 1),
+        "summary": summary,
+        "records": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for line in summary:
+        print(json.dumps(line))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
