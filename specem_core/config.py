@@ -159,14 +159,16 @@ class SpecEMConfig:
     member. ``False`` (default): the vote decides inside calls too."""
     unanimous_tool_calls: bool = False
     """With tools offered and ``tool_choice="auto"``, an answer opens with a tool call only when
-    every drafter's opening does: in the first round every drafter drafts (also under
-    ``trusted_opening_rounds``), and when some openings are words and others start a call, the
-    calls are dropped and the words go on (the trusted member's among them, else the vote's).
-    A larger member trained to call tools calls one even for a question none of them answers,
-    where a smaller one answers in words; a model that opens in words where a tool fits is rare
-    (what it measured, chosen on one set of BFCL cases and reported on others:
-    docs/reports/quality.md, "Agents and tool calls"). The first round costs every drafter's
-    draft. ``False`` (default): the opening is drafted and chosen as any other round."""
+    every drafter's opening does: in the first round every drafter drafts (under
+    ``trusted_opening_rounds``, the others only once the trusted member's opening starts a call),
+    and when some openings are words and others start a call, the calls are dropped and the words
+    go on (the trusted member's among them, else the vote's). Where no given tool fits the
+    question, one member can open with a call where another answers in words; where a tool fits, an
+    opening in words is rare (what it measured, chosen on one set of BFCL cases and reported on
+    others: docs/reports/quality.md, "Agents and tool calls"). Asking the others costs their drafts
+    (and the prefill of a prompt they would not otherwise read, when every later round is the
+    trusted member's alone). ``False`` (default): the opening is drafted and chosen as any other
+    round."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
     draft_hints: bool = True

@@ -669,7 +669,7 @@ class _Run:
             available = [i for i in self._active() if self.members[i].can_draft]
         solo = self._solo_drafter(k, available)
         call_opening = self._deciding_call_opening(k)
-        drafting = [solo] if solo is not None and not call_opening else available
+        drafting = [solo] if solo is not None else available
         drafts = self._draft(drafting, max_tokens, k)
         self._require_drafter()
         if solo is not None and not drafts:  # the trusted member failed and was excluded: the others draft
@@ -677,6 +677,12 @@ class _Run:
             drafting = [i for i in available if i in self.sessions]
             drafts = self._draft(drafting, max_tokens, k)
             self._require_drafter()
+        if call_opening and solo is not None and opens_call(drafts[solo].text):
+            # the trusted member would call: whether the answer does is up to the others' openings too
+            others = [i for i in available if i != solo and i in self.sessions]
+            drafts.update(self._draft(others, max_tokens, k))
+            self._require_drafter()
+            drafting = [i for i in available if i in drafts]
         for i, d in drafts.items():
             self.usage[i].drafted_tokens += d.tokens
             self.usage[i].reused_tokens += d.reused
@@ -766,7 +772,8 @@ class _Run:
     ) -> tuple[list[int], list[Candidate]]:
         """``unanimous_tool_calls``: the openings that start a call are dropped when another
         opening is words; then the trusted member's opening, when it drafts the opening alone
-        (``trusted_opening_rounds``) and is among those left, is the only one."""
+        (``trusted_opening_rounds``) and is among those left, is the only one. (When it drafts
+        alone and opens in words, the others were not asked: their openings could not change it.)"""
         words = [n for n, c in enumerate(candidates) if c.text.strip() and not opens_call(c.text)]
         keep = list(range(len(candidates)))
         if words and any(opens_call(c.text) for c in candidates):

@@ -586,36 +586,41 @@ def test_opens_call_tells_whether_an_opening_starts_a_call(text, is_call):
 _CALL_OPENING = ('<tool_call>\n{"name": "get_weather", ', False)
 
 
+_WORDS_OPENING = ("It may rain", False)
+
+
 @pytest.mark.parametrize(
-    ("unanimous", "small_opening", "tools", "tool_choice", "drafters", "opening", "winner"),
+    ("unanimous", "small_opening", "trusted_opening", "tools", "tool_choice", "drafters", "opening", "winner"),
     [
         # the trusted member b opens with a call, a in words: the answer opens in a's words
-        (True, ("It may rain", False), True, None, ["a", "b"], "It may rain", "a"),
+        (True, _WORDS_OPENING, _CALL_OPENING, True, None, ["a", "b"], "It may rain", "a"),
         # both open with a call: the call stands, and b's opening is the only one (trusted opening)
-        (True, _CALL_OPENING, True, None, ["a", "b"], _CALL_OPENING[0], "b"),
+        (True, _CALL_OPENING, _CALL_OPENING, True, None, ["a", "b"], _CALL_OPENING[0], "b"),
+        # b opens in words: a's opening could not change that, so a is not asked
+        (True, _CALL_OPENING, _WORDS_OPENING, True, None, ["b"], "It may rain", "b"),
         # the rule off: b drafts the opening alone, as before
-        (False, ("It may rain", False), True, None, ["b"], _CALL_OPENING[0], "b"),
+        (False, _WORDS_OPENING, _CALL_OPENING, True, None, ["b"], _CALL_OPENING[0], "b"),
         # no tools, or a forced call: nothing to decide
-        (True, ("It may rain", False), False, None, ["b"], _CALL_OPENING[0], "b"),
-        (True, ("It may rain", False), True, "required", ["b"], None, "b"),
+        (True, _WORDS_OPENING, _CALL_OPENING, False, None, ["b"], _CALL_OPENING[0], "b"),
+        (True, _WORDS_OPENING, _CALL_OPENING, True, "required", ["b"], None, "b"),
     ],
 )
 def test_unanimous_tool_calls_open_in_words_when_a_drafter_would(
-    unanimous, small_opening, tools, tool_choice, drafters, opening, winner
+    unanimous, small_opening, trusted_opening, tools, tool_choice, drafters, opening, winner
 ):
     from scripted import ScriptedMember
 
     from specem_core import MemberWeights, SpecEM, SpecEMConfig
 
     a = ScriptedMember("a", [small_opening, (" today.", True)])
-    b = ScriptedMember("b", [_CALL_OPENING, (" today.", True)])  # a script: the same whatever came before
+    b = ScriptedMember("b", [trusted_opening, (" today.", True)])  # a script: the same whatever came before
     config = SpecEMConfig(segment_len=4, max_new_tokens=64, trusted_opening_rounds=2, unanimous_tool_calls=unanimous)
     engine = SpecEM([a, b], config, weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
     events = list(engine.stream("Weather?", tools=[WEATHER] if tools else None, tool_choice=tool_choice))
     first = events[0].segment
     assert first is not None
     assert (first.drafters, first.winner) == (drafters, winner)
-    assert [c.member for c in first.candidates] == ([winner] if len(drafters) == 1 or unanimous else drafters)
+    assert [c.member for c in first.candidates] == [winner]
     if opening is not None:
         assert first.text == opening
     assert (first.verifiers, first.raw_scores) == ([], [])  # one opening left: nobody votes on it
