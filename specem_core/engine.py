@@ -677,7 +677,7 @@ class _Run:
             drafting = [i for i in available if i in self.sessions]
             drafts = self._draft(drafting, max_tokens, k)
             self._require_drafter()
-        if call_opening and solo is not None and opens_call(drafts[solo].text):
+        if call_opening and solo is not None and solo in drafts and opens_call(drafts[solo].text):
             # the trusted member would call: whether the answer does is up to the others' openings too
             others = [i for i in available if i != solo and i in self.sessions]
             drafts.update(self._draft(others, max_tokens, k))
