@@ -774,10 +774,9 @@ class _Run:
         opening is words; then the trusted member's opening, when it drafts the opening alone
         (``trusted_opening_rounds``) and is among those left, is the only one. (When it drafts
         alone and opens in words, the others were not asked: their openings could not change it.)"""
-        words = [n for n, c in enumerate(candidates) if c.text.strip() and not opens_call(c.text)]
-        keep = list(range(len(candidates)))
-        if words and any(opens_call(c.text) for c in candidates):
-            keep = words
+        calls = [opens_call(c.text) for c in candidates]
+        words = [n for n, c in enumerate(candidates) if c.text.strip() and not calls[n]]
+        keep = words if words and any(calls) else list(range(len(candidates)))
         if solo is not None and solo in owners and owners.index(solo) in keep:
             keep = [owners.index(solo)]
         return [owners[n] for n in keep], [candidates[n] for n in keep]

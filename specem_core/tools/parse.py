@@ -131,15 +131,16 @@ def opens_call(text: str) -> bool:
     fence whose first line is not complete yet counts while it may still name json). An empty
     opening starts nothing."""
     head = text.lstrip()
-    if TOOL_CALL_OPEN in head or head.startswith(("{", "[")):
+    if TOOL_CALL_OPEN in head:
         return True
-    if not head.startswith("```"):
-        return False
-    language, newline, body = head[3:].partition("\n")
-    language = language.strip()
-    if not newline:
-        return "json".startswith(language)
-    return language == "json" or (not language and body.lstrip().startswith(("{", "[")))
+    if head.startswith("```"):
+        fence = _CALL_FENCE_RE.match(head)
+        if fence is None:  # another language, or a first line not complete yet
+            return "\n" not in head and "json".startswith(head[3:].strip())
+        if "json" in head[: fence.end()]:
+            return True
+        head = head[fence.end() :].lstrip()
+    return head.startswith(("{", "["))
 
 
 def _strip_fence(body: str) -> str:
