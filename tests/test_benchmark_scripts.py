@@ -24,6 +24,7 @@ BENCHMARKS = ROOT / "benchmarks"
 WHEELS = Path(os.environ.get("SPECEM_WHEEL_CACHE", Path.home() / ".cache" / "specem" / "wheels"))
 
 MODES: dict[str, list[str]] = {
+    "agent_replays.py": ["--smoke --out {tmp}/out.json"],
     "agents.py": ["--smoke --out {tmp}/out.json"],
     "bfcl_openings.py": ["--members smollm2 --bfcl irrelevance --bfcl-limit 1 --out {tmp}/out.json"],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
