@@ -3,6 +3,7 @@
     python benchmarks/bfcl_openings.py --bfcl-limit 100                   # quality's members, first 100
     python benchmarks/bfcl_openings.py --bfcl-start 100 --bfcl-limit 100 --out /tmp/held_out.json
     python benchmarks/bfcl_openings.py --preset fast --bfcl irrelevance --bfcl-limit 20
+    python benchmarks/bfcl_openings.py --ids simple_python_58 irrelevance_18 --score  # how each scores each
 
 Each member alone drafts the first segment of its answer (``--segment-len`` tokens, greedy), with
 the case's tools rendered as the preset's engine renders them (``tool_choice="auto"``), and the
@@ -33,29 +34,47 @@ RESULTS = ROOT / "benchmarks" / "results" / "bfcl_openings.json"
 
 
 def openings(
-    members: list[Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]], segment_len: int
+    members: list[Any],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    segment_len: int,
+    score: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Each member's greedy opening to one request, and whether it starts a call."""
+    """Each member's greedy opening to one request, and whether it starts a call; with ``score``,
+    each member's score of every member's opening (``scores[drafter]``: mean logit, mean
+    log-probability and tokens, as the vote would see them)."""
     from specem_core.backends.base import SamplingParams, SessionRequest
     from specem_core.tools import OutputPlan, opens_call
-    from specem_core.types import validate_messages
+    from specem_core.types import Candidate, validate_messages
 
     plan = OutputPlan.build(tools, "auto")
     assert plan is not None
     prepared = plan.prepare_messages(validate_messages(messages))
     out: dict[str, dict[str, Any]] = {}
-    for member in members:
-        started = time.perf_counter()
-        session = member.open(SessionRequest(prepared, plan.tools, None))
-        try:
-            text = session.draft(segment_len, SamplingParams()).text
-        finally:
+    sessions = []
+    try:
+        for member in members:
+            started = time.perf_counter()
+            session = member.open(SessionRequest(prepared, plan.tools, None))
+            sessions.append(session)
+            draft = session.draft(segment_len, SamplingParams())
+            out[member.name] = {
+                "text": draft.text,
+                "call": opens_call(draft.text),
+                "ended": draft.ended,
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        if score:
+            candidates = [Candidate(name, o["text"], o["ended"]) for name, o in out.items()]
+            for member, session in zip(members, sessions, strict=True):
+                scored = session.score(candidates, score_eos=False)
+                out[member.name]["scores"] = {
+                    c.member: {"mean_logit": s.mean_logit, "mean_logprob": s.mean_logprob, "tokens": s.n_tokens}
+                    for c, s in zip(candidates, scored, strict=True)
+                }
+    finally:
+        for session in sessions:
             session.close()
-        out[member.name] = {
-            "text": text,
-            "call": opens_call(text),
-            "seconds": round(time.perf_counter() - started, 2),
-        }
     return out
 
 
@@ -70,6 +89,10 @@ def main() -> None:
     parser.add_argument("--bfcl-start", type=int, default=0)
     parser.add_argument("--bfcl-limit", type=int, default=None)
     parser.add_argument("--segment-len", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--ids", nargs="+", default=None, help="only these cases (ids as in the BFCL files)")
+    parser.add_argument(
+        "--score", action="store_true", help="every member also scores every member's opening, as the vote would"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -88,7 +111,11 @@ def main() -> None:
     started = time.perf_counter()
     for category in args.bfcl:
         for case, _ in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start):
-            opened = openings(engine.members, case["question"][0], bfcl_tools(case["function"]), segment_len)
+            if args.ids and case["id"] not in args.ids:
+                continue
+            opened = openings(
+                engine.members, case["question"][0], bfcl_tools(case["function"]), segment_len, args.score
+            )
             records.append({"category": category, "id": case["id"], "openings": opened})
             print(category, case["id"], {name: o["call"] for name, o in opened.items()}, flush=True)
     summary = []
