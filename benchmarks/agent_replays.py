@@ -39,14 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from agents import RECURSION_LIMIT, code_version, grade, is_raw_call  # noqa: E402
+from agents import MAX_ITERATIONS, RECURSION_LIMIT, SYSTEM_PROMPT, code_version, grade, is_raw_call  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "agent_replays.json"
 GUIDE_SYSTEM_PROMPT = (  # the LlamaIndex guide's system prompt when the issue was filed
     "To compute a product, call the multiply tool. Once you have the tool result, do not call a tool again: "
     "answer in one short sentence that states the result."
 )
-PLAIN_SYSTEM_PROMPT = "You are a helpful assistant. Use the tools when they help, then answer in one short sentence."
 FUNCTION_AGENT_REPLAYS = [
     # (id, question, system prompt, tools, expected answer, what happened when the issue was filed)
     ("function-agent-no-system", "What is 123 times 45?", None, ("multiply",), 5535, "right (5535)"),
@@ -58,7 +57,7 @@ FUNCTION_AGENT_REPLAYS = [
         5535,
         'no tool call, "123 times 45 equals 5415."',
     ),
-    ("function-agent-plain-system", "What is 123 times 45?", PLAIN_SYSTEM_PROMPT, ("multiply",), 5535, "a refusal"),
+    ("function-agent-plain-system", "What is 123 times 45?", SYSTEM_PROMPT, ("multiply",), 5535, "a refusal"),
     (
         "function-agent-two-steps",
         "Add 17 and 25, then multiply the result by 3",
@@ -68,7 +67,6 @@ FUNCTION_AGENT_REPLAYS = [
         "one call, then 425",
     ),
 ]
-MAX_ITERATIONS = 20  # FunctionAgent's default
 
 
 def add(a: int, b: int) -> int:
@@ -101,6 +99,7 @@ def _record(replay: str, question: str, before: str, answer: Any, final: str, **
 
 
 def chat_model(args: argparse.Namespace, max_tokens: int) -> Any:
+    # a fresh engine per replay, as each was a fresh run in the issue: no replay reads another's cache
     from specem_integrations.langchain import ChatSpecEM
 
     return ChatSpecEM(max_tokens=args.max_tokens or max_tokens, members=args.members, backend=args.backend)

@@ -107,6 +107,10 @@ def main() -> None:
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "code": code_version(),
     }
+    if args.ids:
+        known = {case["id"] for category in args.bfcl for case, _ in load_bfcl(args.bfcl_dir, category, None)}
+        if unknown := sorted(set(args.ids) - known):
+            parser.error(f"--ids: no such case in {', '.join(args.bfcl)} (from --bfcl-dir): {', '.join(unknown)}")
     records: list[dict[str, Any]] = []
     started = time.perf_counter()
     for category in args.bfcl:
