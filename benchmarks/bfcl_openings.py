@@ -4,13 +4,18 @@
     python benchmarks/bfcl_openings.py --bfcl-start 100 --bfcl-limit 100 --out /tmp/held_out.json
     python benchmarks/bfcl_openings.py --preset fast --bfcl irrelevance --bfcl-limit 20
     python benchmarks/bfcl_openings.py --ids simple_python_58 irrelevance_18 --score  # how each scores each
+    python benchmarks/bfcl_openings.py --fit-question --out /tmp/fit.json      # does a tool fit? asked
 
 Each member alone drafts the first segment of its answer (``--segment-len`` tokens, greedy), with
 the case's tools rendered as the preset's engine renders them (``tool_choice="auto"``), and the
 record says whether that opening starts a call (:func:`specem_core.tools.opens_call`). This is the
 evidence ``SpecEMConfig.unanimous_tool_calls`` was chosen on: where the 1.5B opens with a call and
 the 0.5B in words, the answer opens in words (docs/reports/quality.md, "Agents and tool calls").
-A case the whole answer needs (its grade) is ``benchmarks/agents.py --only bfcl``. Writes
+With ``--fit-question`` each member is also asked, in a separate prompt, whether one of the
+case's functions does what the user asked (:data:`FIT_QUESTION`), and the record keeps its
+log-odds of "Yes" over "No": a signal tried for deciding the opening where members disagree, and
+not adopted (docs/reports/quality.md, "Agents and tool calls"). A case the whole answer needs (its
+grade) is ``benchmarks/agents.py --only bfcl``. Writes
 ``benchmarks/results/bfcl_openings.json`` (``--out``).
 """
 
@@ -31,6 +36,39 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from agents import BFCL_DIR, BFCL_FILES, bfcl_tools, code_version, load_bfcl  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bfcl_openings.json"
+
+FIT_QUESTION = (
+    "A user asked:\n\n{question}\n\nThe available functions are:\n\n{functions}\n\n"
+    "Does one of these functions do what the user asked, so that calling it answers the request? Answer yes or no."
+)
+"""The question ``--fit-question`` asks each member, as the only user message (no tools)."""
+
+
+def fit_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """:data:`FIT_QUESTION` for one case: the user's messages, and one line per function
+    (``name(parameter: type, ...): description``)."""
+    lines = []
+    for tool in tools:
+        function = tool["function"]
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        parameters = ", ".join(f"{name}: {schema.get('type', 'any')}" for name, schema in properties.items())
+        lines.append(f"- {function['name']}({parameters}): {function.get('description', '')}")
+    question = "\n".join(str(m["content"]) for m in messages if m["role"] == "user")
+    return FIT_QUESTION.format(question=question, functions="\n".join(lines))
+
+
+def fit_log_odds(member: Any, prompt: str) -> float:
+    """The member's log-probability of answering "Yes" minus that of "No" (each its mean over
+    the answer's tokens, as the vote scores a candidate)."""
+    from specem_core.backends.base import SessionRequest
+    from specem_core.types import Candidate
+
+    session = member.open(SessionRequest([{"role": "user", "content": prompt}], None, None))
+    try:
+        yes, no = session.score([Candidate("", "Yes", False), Candidate("", "No", False)], score_eos=False)
+    finally:
+        session.close()
+    return round(yes.mean_logprob - no.mean_logprob, 3)
 
 
 def openings(
@@ -93,6 +131,11 @@ def main() -> None:
     parser.add_argument(
         "--score", action="store_true", help="every member also scores every member's opening, as the vote would"
     )
+    parser.add_argument(
+        "--fit-question",
+        action="store_true",
+        help="also ask each member whether one of the tools does what the user asked (log-odds of Yes over No)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -120,8 +163,13 @@ def main() -> None:
             opened = openings(
                 engine.members, case["question"][0], bfcl_tools(case["function"]), segment_len, args.score
             )
+            if args.fit_question:
+                prompt = fit_prompt(case["question"][0], bfcl_tools(case["function"]))
+                for member in engine.members:
+                    opened[member.name]["fit_log_odds"] = fit_log_odds(member, prompt)
             records.append({"category": category, "id": case["id"], "openings": opened})
-            print(category, case["id"], {name: o["call"] for name, o in opened.items()}, flush=True)
+            shown = {name: (o["call"], o.get("fit_log_odds")) for name, o in opened.items()}
+            print(category, case["id"], shown, flush=True)
     summary = []
     for category in args.bfcl:
         rows = [r for r in records if r["category"] == category]

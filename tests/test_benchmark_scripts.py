@@ -26,7 +26,7 @@ WHEELS = Path(os.environ.get("SPECEM_WHEEL_CACHE", Path.home() / ".cache" / "spe
 MODES: dict[str, list[str]] = {
     "agent_replays.py": ["--smoke --out {tmp}/out.json"],
     "agents.py": ["--smoke --out {tmp}/out.json"],
-    "bfcl_openings.py": ["--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --out {tmp}/out.json"],
+    "bfcl_openings.py": ["--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --fit-question --out {tmp}/out.json"],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
     "gpu_check.py": ["--help"],
     "http_prefix.py": ["--context-lines 2 --max-tokens 4 --out {tmp}/out.json"],  # needs vLLM
