@@ -26,7 +26,9 @@ WHEELS = Path(os.environ.get("SPECEM_WHEEL_CACHE", Path.home() / ".cache" / "spe
 MODES: dict[str, list[str]] = {
     "agent_replays.py": ["--smoke --out {tmp}/out.json"],
     "agents.py": ["--smoke --out {tmp}/out.json"],
-    "bfcl_openings.py": ["--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --fit-question --out {tmp}/out.json"],
+    "bfcl_openings.py": [
+        "--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --fit-question --out {tmp}/out.json"
+    ],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
     "gpu_check.py": ["--help"],
     "http_prefix.py": ["--context-lines 2 --max-tokens 4 --out {tmp}/out.json"],  # needs vLLM
@@ -141,6 +143,9 @@ def test_each_script_runs_in_its_smallest_mode(script: str, index: int, tmp_path
         assert json.loads((tmp_path / "out.json").read_text())
     if script == "gpu_check.py":
         assert "--models" in done.stdout
+    if script == "bfcl_openings.py":  # --fit-question: each member's answer to the question, as a number
+        (record,) = json.loads((tmp_path / "out.json").read_text())["records"]
+        assert all(isinstance(o["fit_log_odds"], float) for o in record["openings"].values())
     if script == "quality.py" and args[0] == "run":
         (record,) = [
             json.loads(x) for x in (tmp_path / "quality" / "humaneval" / "smollm2.jsonl").read_text().splitlines()
