@@ -2,14 +2,24 @@
 # README "Set-up", command 2: everything the tests need (CI runs this; see .ci/run).
 #
 # The main install (scripts/install.sh), then what only the tests, the benchmarks and the
-# transformers backend use: CPU torch, every extra plus the dev tools, llama-cpp-python's server,
-# fp32 copies of the default models for the transformers backend, and vLLM (CPU) in its own
-# environment. Idempotent.
+# transformers backend use: bubblewrap (apt-get, as root), CPU torch, every extra plus the dev
+# tools, llama-cpp-python's server, fp32 copies of the default models for the transformers backend,
+# and vLLM (CPU) in its own environment. Idempotent.
 #
 # Environment: SPECEM_SKIP_VLLM=1 skips the vLLM environment (its tests then skip and say why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# bubblewrap: the operating-system boundary the HumanEval grader runs model-written programs behind
+# (benchmarks/quality_study/sandbox.py); without it the grader refuses to run and its tests skip.
+if ! command -v bwrap >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null ||
+            echo "install_dev.sh: bubblewrap could not be installed; the HumanEval grader's tests will be skipped" >&2
+    else
+        echo "install_dev.sh: bubblewrap is missing (Debian: sudo apt-get install bubblewrap); the HumanEval grader's tests will be skipped" >&2
+    fi
+fi
 # CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[all,agents,clients,embeddings,dev]"

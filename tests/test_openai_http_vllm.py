@@ -93,8 +93,14 @@ def test_chat_prefill_continues_the_committed_text(chat_only: OpenAIHTTPMember) 
 def test_engine_with_vllm_members_and_a_local_one(templated: OpenAIHTTPMember, chat_only: OpenAIHTTPMember) -> None:
     import tiny
 
+    config = SpecEMConfig(segment_len=6, max_new_tokens=12)
+    alone = SpecEM([templated], config).generate(QUESTION).text
     local = tiny.member("llama", name="local")
-    result = SpecEM([templated, chat_only, local], SpecEMConfig(segment_len=6, max_new_tokens=12)).generate(QUESTION)
+    result = SpecEM([templated, chat_only, local], config).generate(QUESTION)
     assert result.excluded == []
-    assert "Paris" in result.text
+    # The two vLLM members draft the same text and outvote the random local one every round. (Not
+    # "Paris": SmolLM2-135M's greedy answer in bfloat16 depends on the CPU's kernels; with AMX it
+    # answers "L'Étoile, la Marseillaise,".)
+    assert alone.strip()
+    assert result.text == alone
     assert result.segments[0].verifiers == ["smol-vllm", "smol-vllm-chat", "local"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_guard import needs_sandbox
 from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,7 @@ def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
     assert "| learned | 2 |" in text
 
 
+@needs_sandbox
 def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(quality: Any) -> None:
     quality.run("humaneval", ["qwen", "default"], limit=2, seed=0)
     recs = quality.records("humaneval", "default")
@@ -134,6 +136,7 @@ def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(qualit
     assert summary["humaneval"]["default"]["pass_at_1"] == 0.0
 
 
+@needs_sandbox
 def test_right_answers_count_as_right_and_wrong_ones_as_wrong(quality: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Known answers through the whole study (engine, records, HumanEval graded in the sandbox,
     GSM8K by its final number, figures, report): one right and one wrong answer per task must come

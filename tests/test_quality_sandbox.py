@@ -31,12 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quality_study import sandbox, tasks  # noqa: E402
 from quality_study.sandbox import KINDS, PROCESS_LIMIT, SandboxUnavailable, run_program  # noqa: E402
+from sandbox_guard import needs_sandbox  # noqa: E402
 
-REFUSAL = sandbox.sandbox_available()
-needs_sandbox = pytest.mark.skipif(
-    REFUSAL is not None and os.environ.get("SPECEM_REQUIRE_SANDBOX") != "1",
-    reason=f"the sandbox is unavailable here: {REFUSAL}",
-)
 pytestmark = needs_sandbox
 
 ROW: dict[str, Any] = {  # a HumanEval-shaped problem with a helper in its prompt, as some have
