@@ -160,11 +160,10 @@ def main() -> None:
         for case, _ in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start):
             if args.ids and case["id"] not in args.ids:
                 continue
-            opened = openings(
-                engine.members, case["question"][0], bfcl_tools(case["function"]), segment_len, args.score
-            )
+            tools = bfcl_tools(case["function"])
+            opened = openings(engine.members, case["question"][0], tools, segment_len, args.score)
             if args.fit_question:
-                prompt = fit_prompt(case["question"][0], bfcl_tools(case["function"]))
+                prompt = fit_prompt(case["question"][0], tools)
                 for member in engine.members:
                     opened[member.name]["fit_log_odds"] = fit_log_odds(member, prompt)
             records.append({"category": category, "id": case["id"], "openings": opened})
