@@ -146,14 +146,28 @@ def test_client_disconnect_while_waiting_for_a_json_answer(open_server: ServePro
 
 
 # -- concurrency ---------------------------------------------------------------------------------
-def test_concurrent_streams_are_served_concurrently_and_match(open_server: ServeProcess) -> None:
-    """Four clients at once (two run, two wait): every greedy answer equals the same request alone."""
+def test_concurrent_streams_are_served_concurrently_and_match() -> None:
+    """Four clients at once (two run, two wait): every greedy answer equals the same request alone.
+
+    The server runs without the prefix cache, so that each request starts from an empty context
+    whatever ran before it: this checks that concurrent requests do not disturb each other. A
+    context reused from the cache holds another request's cells, and on llama.cpp its logits equal
+    a fresh evaluation's only within the limits of docs/guides/how-it-works.md#exactness (the cache's
+    own exactness tests: tests/test_prefix_cache.py).
+    """
+    with serving(
+        ["--model", "smollm2", "--max-concurrency", "2", "--queue", "4", "--no-prefix-cache", "--no-access-log"]
+    ) as server:
+        _check_concurrent_streams(server)
+
+
+def _check_concurrent_streams(server: ServeProcess) -> None:
     prompts = ["Name a fruit.", "Name a country.", "Name a colour.", "Name an animal."]
 
     def body(p: str) -> dict[str, Any]:
         return {"model": "specem", "messages": [{"role": "user", "content": p}], "max_tokens": 8}
 
-    alone = [httpx.post(f"{open_server.base_url}/chat/completions", json=body(p), timeout=120).json() for p in prompts]
+    alone = [httpx.post(f"{server.base_url}/chat/completions", json=body(p), timeout=120).json() for p in prompts]
 
     async def one(client: httpx.AsyncClient, p: str) -> str:
         text = ""
@@ -166,7 +180,7 @@ def test_concurrent_streams_are_served_concurrently_and_match(open_server: Serve
         return text
 
     async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=open_server.base_url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     peak: dict[str, int] = {"in_flight": 0, "queued": 0}
@@ -174,7 +188,7 @@ def test_concurrent_streams_are_served_concurrently_and_match(open_server: Serve
 
     def watch() -> None:
         while not stop.is_set():
-            h = open_server.health()
+            h = server.health()
             peak["in_flight"] = max(peak["in_flight"], h["requests_in_flight"])
             peak["queued"] = max(peak["queued"], h["requests_queued"])
             time.sleep(0.02)
@@ -187,8 +201,9 @@ def test_concurrent_streams_are_served_concurrently_and_match(open_server: Serve
         stop.set()
         watcher.join()
     assert together == [a["choices"][0]["message"]["content"] for a in alone]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in alone] == [0] * len(prompts)  # no cache
     assert peak["in_flight"] == 2  # --max-concurrency 2
-    assert open_server.wait_idle(30)["sessions_open"] == 0
+    assert server.wait_idle(30)["sessions_open"] == 0
 
 
 # -- shutdown ------------------------------------------------------------------------------------
