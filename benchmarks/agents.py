@@ -33,6 +33,14 @@ stopped the loop, tool calls, model steps, seconds. BFCL (``../shared/eval/bfcl`
 multiple, irrelevance; any file of these formats via ``--bfcl-dir``): one request per case, graded
 like the leaderboard's AST checker (``../shared/eval/README.md``). Writes
 ``benchmarks/results/agents.json`` (``--out``).
+
+BFCL's "live" categories (user-contributed questions and tools, in the same formats; no setting
+was chosen on them) come with the leaderboard's package, data only::
+
+    pip download bfcl-eval==2026.3.23 --no-deps -d /tmp/bfcl
+    unzip -q /tmp/bfcl/bfcl_eval-2026.3.23-py3-none-any.whl 'bfcl_eval/data/*' -d /tmp/bfcl
+    python benchmarks/agents.py --only bfcl --bfcl-dir /tmp/bfcl/bfcl_eval/data \
+        --bfcl live_simple live_multiple live_irrelevance --bfcl-step 5 --bfcl-limit 40
 """
 
 from __future__ import annotations
@@ -62,7 +70,13 @@ BFCL_FILES = {
     "simple": "BFCL_v4_simple_python.json",
     "multiple": "BFCL_v4_multiple.json",
     "irrelevance": "BFCL_v4_irrelevance.json",
+    "live_simple": "BFCL_v4_live_simple.json",
+    "live_multiple": "BFCL_v4_live_multiple.json",
+    "live_irrelevance": "BFCL_v4_live_irrelevance.json",
 }
+BFCL_DEFAULT = ["simple", "multiple", "irrelevance"]
+"""The categories ``../shared/eval/bfcl`` holds; the ``live_*`` ones are in the ``bfcl-eval``
+package's data (module docstring)."""
 SYSTEM_PROMPT = "You are a helpful assistant. Use the tools when they help, then answer in one short sentence."
 RECURSION_LIMIT = 25
 MAX_ITERATIONS = 20
@@ -725,7 +739,7 @@ def bfcl_grade(
     category: str, functions: list[dict[str, Any]], truth: Any, calls: list[dict[str, Any]]
 ) -> tuple[bool, str]:
     """The leaderboard's AST check in short (``../shared/eval/README.md``)."""
-    if category == "irrelevance":
+    if category.endswith("irrelevance"):
         return (not calls), ("" if not calls else "made a call")
     if len(calls) != 1:
         return False, f"{len(calls)} calls"
@@ -754,13 +768,19 @@ def bfcl_grade(
     return True, ""
 
 
-def load_bfcl(directory: Path, category: str, limit: int | None, start: int = 0) -> list[tuple[dict[str, Any], Any]]:
-    """Cases ``start`` to ``start + limit`` of a category's file, with their possible answers."""
+def load_bfcl(
+    directory: Path, category: str, limit: int | None, start: int = 0, step: int = 1
+) -> list[tuple[dict[str, Any], Any]]:
+    """Every ``step``-th case of a category's file from case ``start``, ``limit`` of them, with
+    their possible answers (``possible_answer_<file>`` beside it, or ``possible_answer/<file>`` as
+    in the ``bfcl-eval`` package)."""
     path = directory / BFCL_FILES[category]
     cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    cases = cases[start : start + limit if limit is not None else None]
+    cases = cases[start::step][:limit]
     answers: dict[str, Any] = {}
     answer_path = directory / f"possible_answer_{BFCL_FILES[category]}"
+    if not answer_path.exists():
+        answer_path = directory / "possible_answer" / BFCL_FILES[category]
     if answer_path.exists():
         for line in answer_path.read_text().splitlines():
             if line.strip():
@@ -775,7 +795,7 @@ def run_bfcl(
     records: list[dict[str, Any]] = []
     for row in args.rows:
         for category in args.bfcl:
-            for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start):
+            for case, truth in load_bfcl(args.bfcl_dir, category, args.bfcl_limit, args.bfcl_start, args.bfcl_step):
                 messages = case["question"][0]
                 tools = bfcl_tools(case["function"])
                 started = time.perf_counter()
@@ -887,7 +907,7 @@ def main() -> None:
         "(specem_core.tools.plan.ANSWER_FROM_RESULTS; default: the shipped one)",
     )
     parser.add_argument("--only", choices=["agents", "bfcl"], default=None)
-    parser.add_argument("--bfcl", nargs="+", default=list(BFCL_FILES), choices=list(BFCL_FILES))
+    parser.add_argument("--bfcl", nargs="+", default=BFCL_DEFAULT, choices=list(BFCL_FILES))
     parser.add_argument("--bfcl-dir", type=Path, default=BFCL_DIR)
     parser.add_argument("--bfcl-limit", type=int, default=None, help="the first N cases of each category")
     parser.add_argument(
@@ -896,6 +916,7 @@ def main() -> None:
         default=0,
         help="skip the first N cases of each category (cases a setting was not chosen on)",
     )
+    parser.add_argument("--bfcl-step", type=int, default=1, help="every Nth case from --bfcl-start")
     parser.add_argument("--bfcl-max-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per model call")
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 tasks, 1 BFCL case each")
@@ -929,6 +950,8 @@ def main() -> None:
         args.out = args.out if args.out != RESULTS else Path(os.devnull)
     if args.bfcl_start < 0:
         parser.error("--bfcl-start must be >= 0")
+    if args.bfcl_step < 1:
+        parser.error("--bfcl-step must be >= 1")
     args.system = {"off": [False], "on": [True], "both": [False, True]}[args.system]
     tasks = [t for t in TASKS if args.kinds is None or t["kind"] in args.kinds]
     if args.task_ids:

@@ -162,7 +162,8 @@ class SpecEMConfig:
     every drafter's opening does: in the first round every drafter drafts (under
     ``trusted_opening_rounds``, the others only once the trusted member's opening starts a call),
     and when some openings are words and others start a call, the calls are dropped and the words
-    go on (the trusted member's among them, else the vote's). Where no given tool fits the
+    go on (the trusted member's among them, else the vote's); an opening that repeats the
+    prompt's tool listing (``<tools>``) counts as neither. Where no given tool fits the
     question, one member can open with a call where another answers in words; where a tool fits, an
     opening in words is rare (what it measured, chosen on one set of BFCL cases and reported on
     others: docs/reports/quality.md, "Agents and tool calls"). Asking the others costs their drafts

@@ -22,7 +22,14 @@ from specem_core.pool import MemberPool
 from specem_core.presets import DEFAULT_PRESET, Preset, assemble
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
-from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, call_in_progress, opens_call, tool_rounds
+from specem_core.tools import (
+    MAX_TOOL_ROUNDS,
+    OutputPlan,
+    call_in_progress,
+    opens_call,
+    opens_tool_listing,
+    tool_rounds,
+)
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -773,9 +780,13 @@ class _Run:
         """``unanimous_tool_calls``: the openings that start a call are dropped when another
         opening is words; then the trusted member's opening, when it drafts the opening alone
         (``trusted_opening_rounds``) and is among those left, is the only one. (When it drafts
-        alone and opens in words, the others were not asked: their openings could not change it.)"""
+        alone and opens in words, the others were not asked: their openings could not change it.)
+        An opening that repeats the prompt's tool listing is not words: a member that starts to
+        write out the tools it was shown is not answering without them."""
         calls = [opens_call(c.text) for c in candidates]
-        words = [n for n, c in enumerate(candidates) if c.text.strip() and not calls[n]]
+        words = [
+            n for n, c in enumerate(candidates) if c.text.strip() and not calls[n] and not opens_tool_listing(c.text)
+        ]
         keep = words if words and any(calls) else list(range(len(candidates)))
         if solo is not None and solo in owners and owners.index(solo) in keep:
             keep = [owners.index(solo)]

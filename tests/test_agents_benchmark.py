@@ -53,3 +53,50 @@ def test_order_tasks_keeps_file_order_or_shuffles_the_same_way_for_a_seed() -> N
     assert first != other
     assert sorted(t["id"] for t in first) == sorted(t["id"] for t in tasks)
     assert [t["id"] for t in tasks][:2] == ["arith-1-00", "arith-1-01"]  # the input is not shuffled in place
+
+
+_BFCL_FUNCTION = {
+    "name": "math.area",
+    "parameters": {
+        "type": "dict",
+        "properties": {"radius": {"type": "float"}, "units": {"type": "string"}},
+        "required": ["radius"],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("category", "calls", "ok", "why"),
+    [
+        ("simple", [{"name": "math_area", "arguments": {"radius": 3}}], True, ""),  # an int for a float
+        ("simple", [{"name": "math_area", "arguments": {"radius": 3, "units": "C M"}}], True, ""),
+        ("simple", [{"name": "math_area", "arguments": {"units": "cm"}}], False, "missing radius"),
+        ("simple", [{"name": "math_area", "arguments": {"radius": 4}}], False, "value of radius: 4"),
+        ("simple", [{"name": "area", "arguments": {"radius": 3}}], False, "wrong function area"),
+        ("simple", [], False, "0 calls"),
+        ("live_simple", [{"name": "math_area", "arguments": {"radius": 3.0}}], True, ""),
+        ("irrelevance", [], True, ""),
+        ("live_irrelevance", [], True, ""),
+        ("live_irrelevance", [{"name": "math_area", "arguments": {"radius": 3}}], False, "made a call"),
+    ],
+)
+def test_bfcl_grade_checks_the_call_as_the_leaderboard_does(category, calls, ok, why) -> None:
+    truth = [{"math.area": {"radius": [3.0], "units": ["cm", ""]}}]
+    assert agents.bfcl_grade(category, [_BFCL_FUNCTION], truth, calls) == (ok, why)
+
+
+@pytest.mark.parametrize("answers_beside", [True, False])
+def test_load_bfcl_takes_every_nth_case_and_finds_the_answers_either_way(tmp_path, answers_beside) -> None:
+    import json
+
+    name = agents.BFCL_FILES["live_simple"]
+    (tmp_path / name).write_text("".join(json.dumps({"id": f"c{i}", "question": [[]]}) + "\n" for i in range(10)))
+    answers = "".join(json.dumps({"id": f"c{i}", "ground_truth": [i]}) + "\n" for i in range(10))
+    if answers_beside:
+        (tmp_path / f"possible_answer_{name}").write_text(answers)
+    else:
+        (tmp_path / "possible_answer").mkdir()
+        (tmp_path / "possible_answer" / name).write_text(answers)
+    loaded = agents.load_bfcl(tmp_path, "live_simple", limit=3, start=1, step=3)
+    assert [(case["id"], truth) for case, truth in loaded] == [("c1", [1]), ("c4", [4]), ("c7", [7])]
+    assert [c["id"] for c, _ in agents.load_bfcl(tmp_path, "live_simple", limit=None, start=8)] == ["c8", "c9"]

@@ -20,6 +20,7 @@ from specem_core.tools import (
     normalize_tool_choice,
     normalize_tools,
     opens_call,
+    opens_tool_listing,
     parse_tool_calls,
     visible_content,
 )
@@ -583,10 +584,27 @@ def test_opens_call_tells_whether_an_opening_starts_a_call(text, is_call):
     assert opens_call(text) is is_call
 
 
+@pytest.mark.parametrize(
+    ("text", "is_listing"),
+    [
+        ('<tools>\n{"type": "function", "', True),
+        ("  <tools>", True),
+        ("The <tools> tag lists them", False),
+        ('<tool_call>\n{"name": "a"', False),
+        ("", False),
+    ],
+)
+def test_opens_tool_listing_tells_an_echo_of_the_prompt_tools(text, is_listing):
+    assert opens_tool_listing(text) is is_listing
+
+
 _CALL_OPENING = ('<tool_call>\n{"name": "get_weather", ', False)
 
 
 _WORDS_OPENING = ("It may rain", False)
+
+
+_LISTING_OPENING = ('<tools>\n{"type": "function", "', False)  # the 0.5B on BFCL simple_python_243
 
 
 @pytest.mark.parametrize(
@@ -596,6 +614,8 @@ _WORDS_OPENING = ("It may rain", False)
         (True, _WORDS_OPENING, _CALL_OPENING, True, None, ["a", "b"], "It may rain", "a"),
         # both open with a call: the call stands, and b's opening is the only one (trusted opening)
         (True, _CALL_OPENING, _CALL_OPENING, True, None, ["a", "b"], _CALL_OPENING[0], "b"),
+        # a repeats the tool listing: that is not words, so b's call stands
+        (True, _LISTING_OPENING, _CALL_OPENING, True, None, ["a", "b"], _CALL_OPENING[0], "b"),
         # b opens in words: a's opening could not change that, so a is not asked
         (True, _CALL_OPENING, _WORDS_OPENING, True, None, ["b"], "It may rain", "b"),
         # the rule off: b drafts the opening alone, as before

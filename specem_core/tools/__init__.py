@@ -42,6 +42,7 @@ from specem_core.tools.parse import (
     loads_lenient,
     new_call_id,
     opens_call,
+    opens_tool_listing,
     parse_tool_calls,
 )
 from specem_core.tools.plan import (
@@ -97,6 +98,7 @@ __all__ = [
     "normalize_tool_choice",
     "normalize_tools",
     "opens_call",
+    "opens_tool_listing",
     "parse_tool_calls",
     "reapplies_last_call",
     "repeats_answered_calls",

@@ -25,6 +25,8 @@ from specem_core.types import InvalidToolCall, ToolCall
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_LISTING_OPEN = "<tools>"
+"""The tag Qwen2.5's and Hermes' chat templates list the offered tools under, in the prompt."""
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 """The keys a call object may hold its arguments under."""
@@ -141,6 +143,12 @@ def opens_call(text: str) -> bool:
             return True
         head = head[fence.end() :].lstrip()
     return head.startswith(("{", "["))
+
+
+def opens_tool_listing(text: str) -> bool:
+    """Whether an answer's opening repeats the tool listing its prompt showed (it starts with
+    :data:`TOOL_LISTING_OPEN`): neither words for the user nor a call."""
+    return text.lstrip().startswith(TOOL_LISTING_OPEN)
 
 
 def _strip_fence(body: str) -> str:
