@@ -735,6 +735,28 @@ def _type_ok(value: Any, kind: str | None) -> bool:
     return True
 
 
+def _dict_ok(value: Any, allowed: Any) -> bool:
+    """A dict argument against one allowed dict, which holds each key's allowed values: every key
+    given is allowed and has an allowed value, and a key left out has ``""`` among its values."""
+    if not isinstance(value, dict) or not isinstance(allowed, dict):
+        return False
+    for key, item in value.items():
+        if key not in allowed or not any(_norm(item) == _norm(a) for a in allowed[key]):
+            return False
+    return all(key in value or "" in options for key, options in allowed.items())
+
+
+def _value_ok(value: Any, spec: dict[str, Any], options: list[Any]) -> bool:
+    """An argument's value against its allowed values: dicts (and lists of dicts) key by key, as
+    the leaderboard's checker reads them; anything else after :func:`_norm`."""
+    kind = spec.get("type")
+    if kind == "dict" and isinstance(value, dict):
+        return any(_dict_ok(value, a) for a in options)
+    if kind == "array" and (spec.get("items") or {}).get("type") == "dict" and isinstance(value, list):
+        return any(isinstance(a, list) and len(a) == len(value) and all(map(_dict_ok, value, a)) for a in options)
+    return any(_norm(value) == _norm(a) for a in options)
+
+
 def bfcl_grade(
     category: str, functions: list[dict[str, Any]], truth: Any, calls: list[dict[str, Any]]
 ) -> tuple[bool, str]:
@@ -760,7 +782,7 @@ def bfcl_grade(
         if not _type_ok(value, props[name].get("type")):
             return False, f"type of {name}"
         options = [a for a in allowed[name] if a != ""]
-        if not any(_norm(value) == _norm(a) for a in options):
+        if not _value_ok(value, props[name], options):
             return False, f"value of {name}: {value!r}"
     for name, options in allowed.items():
         if name not in args and "" not in options:
@@ -787,6 +809,28 @@ def load_bfcl(
                 row = json.loads(line)
                 answers[row["id"]] = row["ground_truth"]
     return [(c, answers.get(c["id"])) for c in cases]
+
+
+_GRADER_WHY = re.compile(r"(|made a call|\d+ calls|(wrong function|missing|unexpected|type of|value of) .*)", re.DOTALL)
+
+
+def regrade_bfcl(records: list[dict[str, Any]], directory: Path) -> int:
+    """Grade BFCL records again from their calls with :func:`bfcl_grade` (no model work), those of
+    the categories whose files ``directory`` holds; a record whose request failed, or that has no
+    calls recorded (the earliest runs'), stays as it is. Returns how many changed."""
+    cases: dict[str, tuple[dict[str, Any], Any]] = {}
+    for category in {r["category"] for r in records}:
+        if (directory / BFCL_FILES[category]).exists():
+            cases.update({case["id"]: (case, truth) for case, truth in load_bfcl(directory, category, None)})
+    changed = 0
+    for r in records:
+        if r["id"] not in cases or r.get("calls") is None or r.get("error") or not _GRADER_WHY.fullmatch(r["why"]):
+            continue
+        case, truth = cases[r["id"]]
+        ok, r["why"] = bfcl_grade(r["category"], case["function"], truth, r["calls"])
+        changed += ok != r["ok"]
+        r["ok"] = ok
+    return changed
 
 
 def run_bfcl(
@@ -820,6 +864,7 @@ def run_bfcl(
                         "id": case["id"],
                         "ok": ok,
                         "why": why,
+                        "error": error is not None,
                         "calls": calls,
                         "seconds": round(seconds, 2),
                     }
@@ -931,14 +976,16 @@ def main() -> None:
     parser.add_argument(
         "--regrade",
         action="store_true",
-        help="grade --out's agent records again from their final answers with this script's grader "
-        "(no model runs) and rewrite its summaries",
+        help="grade --out's agent records again from their final answers, and its BFCL records of the "
+        "categories --bfcl-dir holds from their calls, with this script's graders (no model runs); "
+        "rewrite the summaries",
     )
     args = parser.parse_args()
     if args.regrade:
         old = json.loads(args.out.read_text())
-        changed = regrade(old["agents"]["records"])
+        changed = regrade(old["agents"]["records"]) + regrade_bfcl(old["bfcl"]["records"], args.bfcl_dir)
         old["agents"]["summary"] = summarize_tasks(old["agents"]["records"])
+        old["bfcl"]["summary"] = summarize_bfcl(old["bfcl"]["records"])
         old.setdefault("regraded", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_version()})
         args.out.write_text(json.dumps(old, indent=1, default=str) + "\n")
         print(f"regraded {args.out}: {changed} records changed")

@@ -100,3 +100,74 @@ def test_load_bfcl_takes_every_nth_case_and_finds_the_answers_either_way(tmp_pat
     loaded = agents.load_bfcl(tmp_path, "live_simple", limit=3, start=1, step=3)
     assert [(case["id"], truth) for case, truth in loaded] == [("c1", [1]), ("c4", [4]), ("c7", [7])]
     assert [c["id"] for c, _ in agents.load_bfcl(tmp_path, "live_simple", limit=None, start=8)] == ["c8", "c9"]
+
+
+_DICT_FUNCTION = {
+    "name": "set_mode",
+    "parameters": {
+        "type": "dict",
+        "properties": {
+            "body": {"type": "dict", "properties": {}},
+            "rules": {"type": "array", "items": {"type": "dict"}},
+        },
+        "required": ["body"],
+    },
+}
+_DICT_TRUTH = [
+    {
+        "set_mode": {
+            "body": [{"mode": ["AIR_CLEAN"], "power_save": ["", False]}],
+            "rules": ["", [{"field": ["age"], "value": ["25", 25]}]],
+        }
+    }
+]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "ok", "why"),
+    [
+        ({"body": {"mode": "air clean"}}, True, ""),  # a key with "" among its values may be left out
+        ({"body": {"mode": "AIR_CLEAN", "power_save": False}}, True, ""),
+        (
+            {"body": {"mode": "AIR_CLEAN", "power_save": True}},
+            False,
+            "value of body: {'mode': 'AIR_CLEAN', 'power_save': True}",
+        ),
+        ({"body": {"mode": "AIR_CLEAN", "fan": 1}}, False, "value of body: {'mode': 'AIR_CLEAN', 'fan': 1}"),
+        ({"body": {"power_save": False}}, False, "value of body: {'power_save': False}"),
+        ({"body": {"mode": "AIR_CLEAN"}, "rules": [{"field": "age", "value": 25}]}, True, ""),
+        ({"body": {"mode": "AIR_CLEAN"}, "rules": [{"field": "age", "value": 25}] * 2}, False, None),
+        ({"body": "AIR_CLEAN"}, False, "type of body"),
+    ],
+)
+def test_bfcl_grade_reads_dict_arguments_key_by_key(arguments, ok, why) -> None:
+    grade = agents.bfcl_grade(
+        "live_simple", [_DICT_FUNCTION], _DICT_TRUTH, [{"name": "set_mode", "arguments": arguments}]
+    )
+    assert grade[0] is ok
+    if why is not None:
+        assert grade[1] == why
+
+
+def test_regrade_bfcl_grades_recorded_calls_again_and_leaves_failed_requests(tmp_path) -> None:
+    import json
+
+    name = agents.BFCL_FILES["live_simple"]
+    (tmp_path / name).write_text(json.dumps({"id": "d0", "question": [[]], "function": [_DICT_FUNCTION]}) + "\n")
+    (tmp_path / f"possible_answer_{name}").write_text(json.dumps({"id": "d0", "ground_truth": _DICT_TRUTH}) + "\n")
+    right = [{"name": "set_mode", "arguments": {"body": {"mode": "AIR_CLEAN"}}}]
+    records = [
+        {"category": "live_simple", "id": "d0", "ok": False, "why": "value of body: {...}", "calls": right},
+        {"category": "live_simple", "id": "d0", "ok": False, "why": "TimeoutError: ", "calls": []},
+        {"category": "live_simple", "id": "d0", "ok": False, "why": "", "error": True, "calls": []},
+        {"category": "live_simple", "id": "d0", "ok": False, "why": "0 calls", "calls": None},  # none recorded
+        {"category": "simple", "id": "x", "ok": False, "why": "0 calls", "calls": right},  # its file is not there
+    ]
+    assert agents.regrade_bfcl(records, tmp_path) == 1
+    assert [(r["ok"], r["why"]) for r in records] == [
+        (True, ""),
+        (False, "TimeoutError: "),
+        (False, ""),
+        (False, "0 calls"),
+        (False, "0 calls"),
+    ]
