@@ -735,13 +735,18 @@ def _type_ok(value: Any, kind: str | None) -> bool:
     return True
 
 
+def _one_of(value: Any, options: list[Any]) -> bool:
+    """Whether ``value`` equals one of ``options`` after :func:`_norm`."""
+    return any(_norm(value) == _norm(a) for a in options)
+
+
 def _dict_ok(value: Any, allowed: Any) -> bool:
     """A dict argument against one allowed dict, which holds each key's allowed values: every key
     given is allowed and has an allowed value, and a key left out has ``""`` among its values."""
     if not isinstance(value, dict) or not isinstance(allowed, dict):
         return False
     for key, item in value.items():
-        if key not in allowed or not any(_norm(item) == _norm(a) for a in allowed[key]):
+        if key not in allowed or not _one_of(item, allowed[key]):
             return False
     return all(key in value or "" in options for key, options in allowed.items())
 
@@ -754,7 +759,7 @@ def _value_ok(value: Any, spec: dict[str, Any], options: list[Any]) -> bool:
         return any(_dict_ok(value, a) for a in options)
     if kind == "array" and (spec.get("items") or {}).get("type") == "dict" and isinstance(value, list):
         return any(isinstance(a, list) and len(a) == len(value) and all(map(_dict_ok, value, a)) for a in options)
-    return any(_norm(value) == _norm(a) for a in options)
+    return _one_of(value, options)
 
 
 def bfcl_grade(
