@@ -18,9 +18,12 @@ task runs through
 * ``llamaindex``: LlamaIndex ``FunctionAgent``, ``max_iterations`` 20 (its default);
 
 each without and with a plain system prompt (``--system``). Rows: ``quality`` and ``fast`` (the
-presets), two A/B rows of ``quality``'s earlier defaults: ``quality-solo-opening``
-(``unanimous_tool_calls=False``: the 1.5B alone decides whether the answer opens with a call) and
-``quality-vote-calls`` (also ``trusted_tool_calls=False``: the vote decides inside calls),
+presets), A/B rows of ``quality``'s settings: ``quality-unanimous-opening``
+(``unanimous_tool_calls=True``: a call only when both members open with one, the preset's rule
+until it missed calls out of sample), ``quality-solo-opening`` (``unanimous_tool_calls=False``: the
+1.5B alone decides whether the answer opens with a call, as in ``quality`` now; the label of the
+records made while the preset had the rule on) and ``quality-vote-calls`` (also ``trusted_tool_calls=False``:
+the vote decides inside calls),
 ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and ``peer-1.5b``: llama-cpp-python's
 ``create_chat_completion(tools=..., tool_choice="auto")`` on the same GGUF with its own chat
 template (in LlamaIndex through :func:`peer_llamaindex_llm`, a small function-calling adapter over
@@ -87,12 +90,15 @@ PRESET_MEMBERS: dict[str, list[str] | None] = {
     "one-smollm2": ["smollm2"],
     "quality-vote-calls": None,
     "quality-solo-opening": None,
+    "quality-unanimous-opening": None,
 }
 ROW_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     # the default before trusted_tool_calls: the vote decides inside tool calls too (an A/B row)
     "quality-vote-calls": ("quality", {"trusted_tool_calls": False, "unanimous_tool_calls": False}),
     # the default before unanimous_tool_calls: the 1.5B alone decides whether the answer opens with a call
     "quality-solo-opening": ("quality", {"unanimous_tool_calls": False}),
+    # quality with the opening rule, off in the preset since it missed calls out of sample (an A/B row)
+    "quality-unanimous-opening": ("quality", {"unanimous_tool_calls": True}),
 }
 PEERS = {"peer-1.5b": "qwen2.5-coder-1.5b", "peer-smollm2": "smollm2"}
 
