@@ -165,8 +165,9 @@ class SpecEMConfig:
     go on (the trusted member's among them, else the vote's); an opening that repeats the
     prompt's tool listing (``<tools>``) counts as neither. Where no given tool fits the
     question, one member can open with a call where another answers in words; where a tool fits, an
-    opening in words is rare (what it measured, chosen on one set of BFCL cases and reported on
-    others: docs/reports/quality.md, "Agents and tool calls"). Asking the others costs their drafts
+    opening in words is rare, but a member may answer a question of fact from what it knows, and
+    the call is lost. So no preset turns it on (what it measured, chosen on one set of BFCL cases
+    and reported on others: docs/reports/quality.md, "Agents and tool calls"). Asking the others costs their drafts
     (and the prefill of a prompt they would not otherwise read, when every later round is the
     trusted member's alone). ``False`` (default): the opening is drafted and chosen as any other
     round."""
