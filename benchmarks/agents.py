@@ -22,8 +22,8 @@ presets), A/B rows of ``quality``'s settings: ``quality-unanimous-opening``
 (``unanimous_tool_calls=True``: a call only when both members open with one, the preset's rule
 until it missed calls out of sample), ``quality-solo-opening`` (``unanimous_tool_calls=False``: the
 1.5B alone decides whether the answer opens with a call, as in ``quality`` now; the label of the
-records made while the preset had the rule on) and ``quality-vote-calls`` (also ``trusted_tool_calls=False``:
-the vote decides inside calls),
+records made while the preset had the rule on) and ``quality-vote-calls`` (also
+``trusted_tool_calls=False``: the vote decides inside calls),
 ``one-1.5b`` (SpecEM with Qwen2.5-Coder-1.5B alone) and ``peer-1.5b``: llama-cpp-python's
 ``create_chat_completion(tools=..., tool_choice="auto")`` on the same GGUF with its own chat
 template (in LlamaIndex through :func:`peer_llamaindex_llm`, a small function-calling adapter over

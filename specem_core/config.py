@@ -167,9 +167,9 @@ class SpecEMConfig:
     question, one member can open with a call where another answers in words; where a tool fits, an
     opening in words is rare, but a member may answer a question of fact from what it knows, and
     the call is lost. So no preset turns it on (what it measured, chosen on one set of BFCL cases
-    and reported on others: docs/reports/quality.md, "Agents and tool calls"). Asking the others costs their drafts
-    (and the prefill of a prompt they would not otherwise read, when every later round is the
-    trusted member's alone). ``False`` (default): the opening is drafted and chosen as any other
+    and reported on others: docs/reports/quality.md, "Agents and tool calls"). Asking the others
+    costs their drafts (and the prefill of a prompt they would not otherwise read, when every later
+    round is the trusted member's alone). ``False`` (default): the opening is drafted and chosen as any other
     round."""
     eos_voting: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
