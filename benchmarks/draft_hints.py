@@ -1,4 +1,4 @@
-"""Speculative drafting on the round's earlier candidates (``SpecEMConfig.draft_hints``), on and
+"""Speculative drafting on the round's earlier candidates (``SpecEMConfig.reuse_other_drafts``), on and
 off, side by side in one run.
 
     python benchmarks/draft_hints.py                                        # default pair, T = 256
@@ -39,7 +39,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
         for hints in (False, True):
-            engine = SpecEM(members, config.replace(draft_hints=hints))
+            engine = SpecEM(members, config.replace(reuse_other_drafts=hints))
             start = time.perf_counter()
             result = engine.generate(messages)
             seconds = time.perf_counter() - start
@@ -48,7 +48,7 @@ def main() -> None:
             }
             tokens = result.usage.completion_tokens
             runs.append({"draft_hints": hints, "seconds": seconds, "tokens": tokens, "usage": usage})
-            print(f"draft_hints={hints!s:5} {seconds:6.2f}s  {usage}", flush=True)
+            print(f"reuse_other_drafts={hints!s:5} {seconds:6.2f}s  {usage}", flush=True)
     off = [r["seconds"] for r in runs if not r["draft_hints"]]
     on = [r["seconds"] for r in runs if r["draft_hints"]]
     ratio = (sum(on) / len(on)) / (sum(off) / len(off))

@@ -64,7 +64,7 @@ def exactness(dirs: list[Path]) -> dict[str, Any]:
                 worst = max(worst, abs((g.mean_logit or 0.0) - logit), abs((g.mean_logprob or 0.0) - logprob))
             session.commit(cands[1].text if d.ended else d.text)
         session.close()
-    engine = SpecEM(members, SpecEMConfig(faithful=True, segment_len=6, max_new_tokens=36))
+    engine = SpecEM(members, SpecEMConfig(reproduce_paper=True, segment_len=6, max_new_tokens=36))
     got_run = engine.generate(MESSAGES)
     want_run = naive_generate(members, MESSAGES, segment_len=6, max_new_tokens=36)
     same = got_run.text == want_run.text and [s.winner_index for s in got_run.segments] == [

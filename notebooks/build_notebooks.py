@@ -98,7 +98,7 @@ QUICKSTART = [
         "drafting (they keep verifying). Fewer member calls per round."
     ),
     new_code_cell(
-        "exit_result = engine.generate('List three uses of a paperclip.', model_exit=True, exit_min_rounds=2)\n"
+        "exit_result = engine.generate('List three uses of a paperclip.', model_exit=True, model_exit_min_rounds=2)\n"
         "print(exit_result.text)\n"
         "plt.figure(figsize=(5, 2.5))\n"
         "plt.step(range(1, len(exit_result.segments) + 1), exit_result.members_per_round, where='mid')\n"
@@ -200,7 +200,7 @@ BENCHMARKS = [
         '                      f"beyond floor {sum(sec.values()) - floor:+5.2f}s  reused {taken}/{drafted} tokens")'
     ),
     new_markdown_cell(
-        "Speculative drafting on the other members' candidates (`SpecEMConfig.draft_hints`), on and off side by "
+        "Speculative drafting on the other members' candidates (`SpecEMConfig.reuse_other_drafts`), on and off side by "
         "side (`python benchmarks/draft_hints.py`): seconds per answer and the share of each member's drafted "
         "tokens taken from an earlier candidate's rows instead of a decode step."
     ),

@@ -1,11 +1,22 @@
-"""Every knob of the SpecEM loop in one typed, validated, immutable object."""
+"""Every option of the SpecEM loop in one typed, validated, immutable object.
+
+:class:`SpecEMConfig` holds the options a user tunes, each with a one-line meaning; the
+configuration guide (``docs/guides/configuration.md``) explains them. The options that exist for
+the quality study's A/B rows and for reproducing the paper's details are declared apart, on
+:class:`StudyOptions`: they are fields of :class:`SpecEMConfig` too (one flat namespace, so every
+surface takes them the same way), but users leave them at their defaults.
+
+Options renamed in 0.2 (:data:`RENAMED`) are still accepted, with a ``FutureWarning``, until 0.3.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from specem_core.errors import ConfigError
@@ -16,189 +27,152 @@ SegmentBoundary = Literal["tokens", "line"]
 Normalization = Literal["sum", "softmax"]
 NonPositiveRule = Literal["softmax", "raw"]
 HedgeDecay = Literal["sqrt", "inverse"]
-SelfVote = Literal["keep", "exclude"]
 
 MAX_TEMPERATURE = 2.0
 """The highest drafting temperature any surface accepts (OpenAI's range is [0, 2]; above it the
 members draft noise)."""
 
-_FAITHFUL_OVERRIDES: dict[str, Any] = {
+_PAPER_RULES: dict[str, Any] = {
     "scoring": "mean_logit",
     "normalization": "sum",
     "nonpositive_rule": "raw",
     "hedge_decay": "inverse",
-    "eos_voting": False,
+    "vote_on_stop": False,
     "model_exit": False,
     "token_healing": False,
-    "self_vote": "keep",
+    "leave_self_out": False,
     "trusted_opening_rounds": 0,
     "trusted_veto": False,
     "trusted_tool_calls": False,
     "unanimous_tool_calls": False,
     "segment_boundary": "tokens",
 }
+"""What ``reproduce_paper=True`` forces: the authors' decisions."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpecEMConfig:
-    """Configuration of one SpecEM ensemble (SPEC §1).
+class StudyOptions:
+    """Options of the quality study's A/B rows and of the paper's details; the defaults are what
+    the library does, and users leave them there.
+
+    They are fields of :class:`SpecEMConfig` (``SpecEMConfig(leave_self_out=True)``,
+    ``--set hedge_eta0=0.3``), declared here apart from the options a user tunes. What each one
+    measured: ``docs/reports/quality.md``.
+    """
+
+    ignore_eos: bool = False
+    """Never end a turn before ``max_new_tokens`` (vLLM's field of that name): fixed-length
+    answers for speed benchmarks."""
+    token_healing: bool = False
+    """Drafters back up over the last committed token and redraw it among the tokens that extend
+    its text, so that a segment boundary that splits a usual token (``"youtube." | "com"``) does
+    not push the model off its own tokenization (local members with byte-level tokenizers)."""
+    nonpositive_rule: NonPositiveRule = "softmax"
+    """What ``normalization="sum"`` does with a row that is not all positive: ``softmax`` over the
+    row (our safe rule) or ``raw`` division by the sum, as the authors' code does (0 when the sum
+    is 0)."""
+    normalization_temperature: float = 1.0
+    """Temperature of the softmax normalization (also of the safe rule above)."""
+    hedge_eta0: float = 0.5
+    """Hedge's base learning rate η0 (the authors' ``--learn_rate 5`` is 0.5)."""
+    hedge_decay: HedgeDecay = "sqrt"
+    """η_k = η0·sqrt(1/N)/sqrt(k) (``sqrt``, the paper) or η0·sqrt(1/N)/k (``inverse``, the
+    authors' code)."""
+    leave_self_out: bool = False
+    """A verifier's vote does not count for its own candidate (each member rates its own greedy
+    draft highest). ``False``: every verifier votes on every candidate (the paper)."""
+    model_exit_entropy_ratio: float = 0.5
+    """Model Exit's γ: exit happens once the entropy of p falls below γ·ln(drafters)."""
+    model_exit_min_prob: float = 0.1
+    """Model Exit's ε: drafters with p_i < ε stop drafting (they keep verifying)."""
+    model_exit_min_rounds: int = 3
+    """Model Exit's k_min: no exit before this many rounds."""
+    model_exit_keeps_trusted: bool = True
+    """Model Exit never stops the trusted member (see ``trusted_opening_rounds``); ``False`` lets
+    the votes alone decide, as the study's v2 and v3 rows ran."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecEMConfig(StudyOptions):
+    """Configuration of one SpecEM ensemble (SPEC §1): the options a user tunes, plus the study's
+    (:class:`StudyOptions`).
 
     Per-request overrides go through :meth:`replace` (``engine.generate(msgs, max_new_tokens=64)``),
-    which validates again. ``faithful=True`` reproduces the authors' decisions: it forces
-    ``scoring="mean_logit"``, ``normalization="sum"`` with ``nonpositive_rule="raw"``,
-    ``hedge_decay="inverse"``, ``eos_voting=False``, ``model_exit=False``, ``token_healing=False``,
-    ``self_vote="keep"``, ``trusted_opening_rounds=0``, ``trusted_veto=False``,
-    ``trusted_tool_calls=False``, ``unanimous_tool_calls=False`` and ``segment_boundary="tokens"``. Each production
-    default that differs from the authors' code is one of those named options.
+    which validates again. Every option, its meaning and what it measured:
+    ``docs/guides/configuration.md``.
 
     Example:
         >>> SpecEMConfig(segment_len=5, max_new_tokens=64).segment_len
         5
     """
 
-    segment_len: int = 10
-    """Tokens each drafter proposes per round (L). The paper uses 10."""
-    segment_boundary: SegmentBoundary = "tokens"
-    """Where a draft ends besides ``segment_len``: ``"tokens"`` (the paper: only the length), or
-    ``"line"``: also at its first line end (the newline and the whitespace right after it), so
-    that candidates are whole lines (of code) and the vote compares like with like. A drafter
-    stops there itself; the engine cuts any draft that runs past one (e.g. an HTTP member)."""
+    # -- the answer -----------------------------------------------------------------------------
     max_new_tokens: int = 256
-    """Cap on the response, counted in the first member's tokens."""
+    """Cap on the answer, counted in the first member's tokens (``max_tokens`` on the surfaces)."""
     temperature: float = 0.0
-    """Drafting temperature in [0, 2] (OpenAI's range, the same on every surface); 0 means greedy
-    (deterministic)."""
+    """Drafting temperature in [0, 2]; 0 is greedy (deterministic)."""
     top_p: float = 1.0
-    """Nucleus sampling mass for drafting (ignored when greedy)."""
+    """Nucleus sampling mass while drafting (ignored when greedy)."""
     top_k: int = 0
-    """Top-k filter for drafting; 0 disables it."""
+    """Top-k filter while drafting; 0 disables it."""
     repetition_penalty: float = 1.0
-    """HF-style repetition penalty applied while drafting (1.0 = off)."""
+    """HF-style repetition penalty while drafting (1.0 = off)."""
     seed: int | None = None
-    """Seed for sampled drafting; each member derives its own stream from it."""
+    """Seed of sampled drafting; each member derives its own stream from it."""
     stop: tuple[str, ...] = ()
-    """Stop strings; the response ends before the first one and never contains it."""
-    ignore_eos: bool = False
-    """Never end a turn before ``max_new_tokens`` (vLLM's field of that name; for benchmarks)."""
-    token_healing: bool = False
-    """Drafters back up over the last committed token and redraw it among the tokens that extend
-    its text, so a segment boundary that splits a usual token (``"youtube." | "com"``) does not push
-    the model off its own tokenization (local members with byte-level tokenizers)."""
+    """Stop strings: the answer ends before the first one and never contains it."""
+
+    # -- the round ------------------------------------------------------------------------------
+    segment_len: int = 10
+    """Tokens each drafter proposes per round (the paper's L = 10)."""
+    segment_boundary: SegmentBoundary = "tokens"
+    """``"line"``: a draft also ends at its first line end, so candidates are whole lines of code."""
     scoring: Scoring = "mean_logit"
-    """``mean_logit``: mean raw pre-softmax logit (paper, faithful); ``mean_logprob``: mean log-prob."""
+    """How a verifier scores a candidate: mean raw logit (the paper) or ``mean_logprob``."""
     normalization: Normalization = "sum"
-    """Per-verifier normalization over candidates: ``sum`` (paper Eq. 3) or ``softmax``."""
-    nonpositive_rule: NonPositiveRule = "softmax"
-    """What ``sum`` does with a row that is not all positive: ``softmax`` over the row (our safe
-    rule, default) or ``raw`` division by the sum as the authors' code does (0 when the sum is 0)."""
-    softmax_temperature: float = 1.0
-    """Temperature of the softmax normalization (also used by the safe rule)."""
+    """How a verifier's scores are normalized over the candidates: ``sum`` (Eq. 3) or ``softmax``."""
     hedge: bool = True
-    """Online Hedge weighting of verifiers; off means uniform weights."""
-    hedge_eta0: float = 0.5
-    """Base learning rate η0 (the authors' ``--learn_rate 5`` is 0.5)."""
-    hedge_decay: HedgeDecay = "sqrt"
-    """η_k = η0·sqrt(1/N)/sqrt(k) (``sqrt``, paper) or η0·sqrt(1/N)/k (``inverse``, authors' code)."""
-    self_vote: SelfVote = "keep"
-    """``keep``: every verifier votes on every candidate (paper). ``exclude``: leave-self-out, a
-    verifier's vote does not count for its own candidate (each rates its own draft highest: it was
-    drafted greedily under its own distribution)."""
-    model_exit: bool = False
-    """Model Exit (our design): stop drafting with members that keep losing."""
-    exit_temperature: float = 1.0
-    """τ in p = softmax(Q/τ) over cumulative scores Q."""
-    exit_entropy_ratio: float = 0.5
-    """γ: exit happens once H(p) < γ·ln(n_drafters)."""
-    exit_min_prob: float = 0.1
-    """ε: members with p_i < ε stop drafting (they keep verifying)."""
-    exit_min_rounds: int = 3
-    """k_min: no exit before this many rounds."""
-    exit_keep_trusted: bool = True
-    """Model Exit never stops the trusted drafter: the one with the highest prior in the engine's
-    :class:`~specem_core.weights.MemberWeights` (e.g. accuracy alone on a labelled calibration
-    set); among equal priors the larger model (``draft_cost``, where the backend knows it), then
-    the higher learned weight. Votes measure likelihood, not correctness: without this, exit can
-    stop the stronger member and leave the answer to a weaker one whose text is more predictable.
-    What the weights learned comes from those same votes, so it only breaks the last tie
-    (measured: docs/reports/quality.md, "Lessons learned"). No effect without member weights or
-    when a tie remains; ``False`` lets votes alone decide."""
-    exit_agreement_rounds: int = 0
-    """Model Exit also stops a drafter whose candidate was the same text as that of the member exit
-    keeps (the trusted one, ``exit_keep_trusted``; else the leader by votes) in this many
-    consecutive rounds: while it agrees it changes no decision, and each of its drafts still costs
-    a decode (what it saves and costs: docs/reports/quality.md). 0 (default): off."""
-    trusted_opening_rounds: int = 0
-    """The first this many rounds are drafted by the trusted member alone (the drafter
-    ``exit_keep_trusted`` names: the highest prior in the member weights, then the larger model),
-    and its draft is committed without a vote. The opening sets an answer's format (case, layout),
-    and there a likelihood vote can prefer a weaker member's generic opening to the trusted
-    member's compliant one. Where answers are one or two rounds long (a letter, a number) the
-    opening is the answer, and a vote of weaker members can overrule the trusted one (measured:
-    docs/reports/quality.md, "The held-out task"; the presets' setting:
-    :mod:`specem_core.presets`). No effect without member weights or when a tie in the prior names
-    no single member. 0 (default): off."""
-    trusted_veto: bool = False
-    """Another member's candidate is committed only when the trusted member (as in
-    ``trusted_opening_rounds``) scores it at least as high as its own draft; otherwise the trusted
-    member's draft is committed, whatever the vote. The ensemble then searches only among
-    continuations the member the prior trusts agrees with: the weaker member can still win a
-    round, but not against the trusted member's own judgement (what it measured, out of fold:
-    docs/reports/quality.md, "Choosing the default out of sample"). No effect without member
-    weights, when a tie in the prior names no single member, or in a round where the trusted
-    member drafted or verified nothing. ``False`` (default): the vote alone decides.
-    """
-    trusted_tool_calls: bool = False
-    """Once the answer has started a tool call (a ``<tool_call>`` tag, or call JSON, bare or
-    fenced), the trusted member (as in ``trusted_opening_rounds``) writes the rest of that call
-    alone and its drafts are committed without a vote, until the call is closed. A call's argument
-    values are copied or converted from the request ("EUR", "-112.07", "Los Angeles, CA"), where
-    a weaker member's wording can win a likelihood vote and break the call; the rounds also cost
-    one draft instead of every member's drafts and scores (what it measured, chosen on one set of
-    BFCL cases and reported on others: docs/reports/quality.md, "Agents and tool calls"). No
-    effect without tools, without member weights, or when a tie in the prior names no single
-    member. ``False`` (default): the vote decides inside calls too."""
-    unanimous_tool_calls: bool = False
-    """With tools offered and ``tool_choice="auto"``, an answer opens with a tool call only when
-    every drafter's opening does: in the first round every drafter drafts (under
-    ``trusted_opening_rounds``, the others only once the trusted member's opening starts a call),
-    and when some openings are words and others start a call, the calls are dropped and the words
-    go on (the trusted member's among them, else the vote's); an opening that repeats the
-    prompt's tool listing (``<tools>``) counts as neither. Where no given tool fits the
-    question, one member can open with a call where another answers in words; where a tool fits, an
-    opening in words is rare, but a member may answer a question of fact from what it knows, and
-    the call is lost. So no preset turns it on (what it measured, chosen on one set of BFCL cases
-    and reported on others: docs/reports/quality.md, "Agents and tool calls"). Asking the others
-    costs their drafts (and the prefill of a prompt they would not otherwise read, when every later
-    round is the trusted member's alone). ``False`` (default): the opening is drafted and chosen as any other
-    round."""
-    eos_voting: bool = True
+    """Learn verifier weights within a request (Hedge); ``False``: uniform weights."""
+    vote_on_stop: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
-    draft_hints: bool = True
-    """Members that share a device draft one after another, cheapest first, and each is shown the
-    candidates drafted before it: it scores them in one forward pass (work its verification needs
-    anyway) and, wherever its own pick equals a candidate's next token, continues from that
-    candidate's row instead of a decode step (speculative decoding with the other members as
-    drafters). Each draft is the one the member makes alone, so decisions do not change (also in
-    ``faithful`` mode); only the work does — up to the kernels' numerics: where llama.cpp is not
-    batch-invariant (the packaged Qwen2 and Gemma 3 quantization types; Q4_1 is invariant) a near
-    tie can fall the other way, as it can when a session adopts a winner's scored rows. Off:
-    drafters run in member order without hints."""
-    faithful: bool = False
-    """Reproduce the authors' formulas exactly (see the class docstring)."""
+    reuse_other_drafts: bool = True
+    """Members on one device draft in turn and continue from earlier candidates where their own
+    pick agrees (speculative drafting: less work, the same drafts up to the kernels' numerics)."""
+
+    # -- Model Exit and the trusted member (these need member weights) --------------------------
+    model_exit: bool = False
+    """Model Exit (our design): members that keep losing stop drafting."""
+    model_exit_temperature: float = 1.0
+    """Model Exit's τ in p = softmax(Q/τ) over the members' cumulative scores Q."""
+    model_exit_agreement_rounds: int = 0
+    """Model Exit also stops a drafter whose candidate equalled the kept member's this many rounds
+    running (0: off)."""
+    trusted_opening_rounds: int = 0
+    """The first N rounds are drafted by the trusted member (the highest prior) alone, unvoted."""
+    trusted_veto: bool = False
+    """Another member's segment wins only if the trusted member scores it at least as high as its
+    own draft."""
+    trusted_tool_calls: bool = False
+    """Once the answer starts a tool call, the trusted member writes the rest of the call alone."""
+    unanimous_tool_calls: bool = False
+    """With tools and ``tool_choice="auto"``, the answer opens with a call only when every
+    drafter's opening does (fewer needless calls, some missed ones)."""
+
+    # -- modes and running ----------------------------------------------------------------------
+    reproduce_paper: bool = False
+    """Reproduce the authors' decisions exactly (forces the paper's rule on every option that has one)."""
     member_retries: int = 1
     """Retries of a failing member call before the member is excluded from the request."""
     parallel: bool | None = None
-    """Run members concurrently: ``None`` = only members on different devices or servers."""
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Free-form metadata carried into results (not used by the loop)."""
+    """Run members concurrently; ``None``: only members on different devices or servers."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if self.faithful:
-            for name, value in _FAITHFUL_OVERRIDES.items():
+        if self.reproduce_paper:
+            for name, value in _PAPER_RULES.items():
                 object.__setattr__(self, name, value)
         self._validate()
 
@@ -206,13 +180,13 @@ class SpecEMConfig:
         _int_at_least("segment_len", self.segment_len, 1)
         _int_at_least("max_new_tokens", self.max_new_tokens, 1)
         _int_at_least("top_k", self.top_k, 0)
-        _int_at_least("exit_min_rounds", self.exit_min_rounds, 1)
-        _int_at_least("exit_agreement_rounds", self.exit_agreement_rounds, 0)
+        _int_at_least("model_exit_min_rounds", self.model_exit_min_rounds, 1)
+        _int_at_least("model_exit_agreement_rounds", self.model_exit_agreement_rounds, 0)
         _int_at_least("trusted_opening_rounds", self.trusted_opening_rounds, 0)
         _int_at_least("member_retries", self.member_retries, 0)
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.parallel is not None and not isinstance(self.parallel, bool):
             raise ConfigError(f"parallel must be True, False or None, got {self.parallel!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -222,20 +196,19 @@ class SpecEMConfig:
             raise ConfigError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature!r}")
         _finite_at_least("hedge_eta0", self.hedge_eta0, 0.0)
         _finite_at_least("repetition_penalty", self.repetition_penalty, 0.0, strict=True)
-        _finite_at_least("softmax_temperature", self.softmax_temperature, 0.0, strict=True)
-        _finite_at_least("exit_temperature", self.exit_temperature, 0.0, strict=True)
+        _finite_at_least("normalization_temperature", self.normalization_temperature, 0.0, strict=True)
+        _finite_at_least("model_exit_temperature", self.model_exit_temperature, 0.0, strict=True)
         if not (0.0 < float(self.top_p) <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (0.0 <= float(self.exit_entropy_ratio) <= 1.0):
-            raise ConfigError(f"exit_entropy_ratio must be in [0, 1], got {self.exit_entropy_ratio!r}")
-        if not (0.0 <= float(self.exit_min_prob) < 1.0):
-            raise ConfigError(f"exit_min_prob must be in [0, 1), got {self.exit_min_prob!r}")
+        if not (0.0 <= float(self.model_exit_entropy_ratio) <= 1.0):
+            raise ConfigError(f"model_exit_entropy_ratio must be in [0, 1], got {self.model_exit_entropy_ratio!r}")
+        if not (0.0 <= float(self.model_exit_min_prob) < 1.0):
+            raise ConfigError(f"model_exit_min_prob must be in [0, 1), got {self.model_exit_min_prob!r}")
         _choice("scoring", self.scoring, ("mean_logit", "mean_logprob"))
         _choice("segment_boundary", self.segment_boundary, ("tokens", "line"))
         _choice("normalization", self.normalization, ("sum", "softmax"))
         _choice("nonpositive_rule", self.nonpositive_rule, ("softmax", "raw"))
         _choice("hedge_decay", self.hedge_decay, ("sqrt", "inverse"))
-        _choice("self_vote", self.self_vote, ("keep", "exclude"))
         for n, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")
@@ -247,8 +220,8 @@ class SpecEMConfig:
         Raises:
             ConfigError: an unknown field name or an invalid value.
         """
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
+        overrides = current_names(overrides, where="SpecEMConfig.replace")
+        unknown = sorted(set(overrides) - set(OPTIONS))
         if unknown:
             raise ConfigError(f"unknown SpecEM option(s): {', '.join(unknown)}")
         changes = {k: v for k, v in overrides.items() if v is not None}
@@ -265,19 +238,122 @@ class SpecEMConfig:
         return out
 
 
-_BOOL_FIELDS = (
-    "ignore_eos",
-    "token_healing",
-    "hedge",
-    "model_exit",
-    "exit_keep_trusted",
-    "trusted_veto",
-    "trusted_tool_calls",
-    "unanimous_tool_calls",
-    "eos_voting",
-    "draft_hints",
-    "faithful",
-)
+STUDY_OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(StudyOptions))
+"""The study's options (:class:`StudyOptions`), in declaration order."""
+USER_OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SpecEMConfig) if f.name not in STUDY_OPTIONS)
+"""The options a user tunes (:class:`SpecEMConfig`'s own fields), in declaration order: the
+fields the LangChain and LlamaIndex classes take by name; every surface takes all of
+:data:`OPTIONS`."""
+OPTIONS: tuple[str, ...] = USER_OPTIONS + STUDY_OPTIONS
+"""Every :class:`SpecEMConfig` field."""
+
+RENAMED: dict[str, str] = {
+    "faithful": "reproduce_paper",
+    "eos_voting": "vote_on_stop",
+    "draft_hints": "reuse_other_drafts",
+    "self_vote": "leave_self_out",
+    "softmax_temperature": "normalization_temperature",
+    "exit_temperature": "model_exit_temperature",
+    "exit_entropy_ratio": "model_exit_entropy_ratio",
+    "exit_min_prob": "model_exit_min_prob",
+    "exit_min_rounds": "model_exit_min_rounds",
+    "exit_keep_trusted": "model_exit_keeps_trusted",
+    "exit_agreement_rounds": "model_exit_agreement_rounds",
+}
+"""Option names of 0.1 -> their names since 0.2; the old ones are accepted with a
+``FutureWarning`` until 0.3."""
+REMOVED: dict[str, str] = {"extra": "it was never read: keep your metadata beside the result"}
+"""Options of 0.1 that are gone, with why; accepted (and ignored) with a ``FutureWarning`` until 0.3."""
+
+
+@functools.cache
+def option_docs() -> dict[str, str]:
+    """Each option's docstring, as written under its field here (read from this module's source;
+    ``{}`` where the source is not installed): every surface documents an option with it."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(inspect.getmodule(option_docs)))  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name not in ("StudyOptions", "SpecEMConfig"):
+            continue
+        for field_node, doc in zip(node.body, node.body[1:], strict=False):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                docs[field_node.target.id] = inspect.cleandoc(doc.value.value)
+    return docs
+
+
+def option_types() -> dict[str, Any]:
+    """Each option's type (``Literal[...]`` for the choices), resolved from the annotations."""
+    import typing
+
+    hints = typing.get_type_hints(SpecEMConfig)
+    return {name: hints[name] for name in OPTIONS}
+
+
+def _self_vote_value(value: Any) -> Any:
+    """``self_vote="keep"/"exclude"`` (0.1) as ``leave_self_out``."""
+    if value in ("keep", "exclude"):
+        return value == "exclude"
+    if value is None:
+        return None
+    raise ConfigError(f"self_vote must be one of keep, exclude; got {value!r}")
+
+
+def current_names(options: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """``options`` with the names of 0.1 (:data:`RENAMED`) turned into today's, warning once per
+    name (``FutureWarning``); removed options (:data:`REMOVED`) are dropped with a warning.
+
+    Raises:
+        ConfigError: an option given under both its old and its new name.
+    """
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in REMOVED:
+            warnings.warn(
+                f"{where}: the option {key!r} is removed ({REMOVED[key]}); it is ignored, and refused from 0.3",
+                FutureWarning,
+                stacklevel=3,
+            )
+            continue
+        new = RENAMED.get(key)
+        if new is None:
+            out[key] = value
+            continue
+        warnings.warn(
+            f"{where}: the option {key!r} is now called {new!r}; the old name stops working in 0.3",
+            FutureWarning,
+            stacklevel=3,
+        )
+        if new in options:
+            raise ConfigError(f"{where}: {new} given twice (as {new} and as its old name {key})")
+        out[new] = _self_vote_value(value) if key == "self_vote" else value
+    return out
+
+
+def _accepts_old_names(cls: type[SpecEMConfig]) -> type[SpecEMConfig]:
+    """``SpecEMConfig(faithful=True)`` (a name of 0.1) still works, with a warning."""
+    init: Callable[..., None] = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: SpecEMConfig, **options: Any) -> None:
+        init(self, **current_names(options, where="SpecEMConfig"))
+
+    setattr(cls, "__init__", __init__)  # noqa: B010  (assigning a method: mypy refuses the plain form)
+    return cls
+
+
+_accepts_old_names(SpecEMConfig)
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:

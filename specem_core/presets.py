@@ -45,11 +45,11 @@ _RECOMMENDED: dict[str, Any] = {
     # docs/reports/quality.md ("The shipped presets", "Lessons learned")
     "normalization": "softmax",  # scale-free rows: the weights decide the vote
     "model_exit": True,
-    "exit_temperature": 0.2,
-    "exit_keep_trusted": True,  # exit never stops the member the prior trusts
-    "exit_agreement_rounds": 2,  # and stops a drafter that keeps agreeing with it
+    "model_exit_temperature": 0.2,
+    "model_exit_keeps_trusted": True,  # exit never stops the member the prior trusts
+    "model_exit_agreement_rounds": 2,  # and stops a drafter that keeps agreeing with it
     "trusted_opening_rounds": 2,  # the trusted member writes the opening (where a method is set)
-    "draft_hints": False,  # drafts decoded as each member alone decodes them
+    "reuse_other_drafts": False,  # drafts decoded as each member alone decodes them
 }
 
 

@@ -188,7 +188,7 @@ class MemberUsage:
     """Tokens this member generated while drafting (winning or not)."""
     reused_tokens: int = 0
     """Of ``drafted_tokens``, those that cost no decode step: this member's pick equalled an
-    earlier candidate's token, whose scored row it continued from (``SpecEMConfig.draft_hints``)."""
+    earlier candidate's token, whose scored row it continued from (``SpecEMConfig.reuse_other_drafts``)."""
     rounds_drafted: int = 0
     cached_tokens: int = 0
     """Prompt tokens read from this member's prefix cache instead of prefilled (local members:

@@ -28,11 +28,11 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from specem_core.config import SpecEMConfig
+from specem_core.config import OPTIONS, RENAMED, current_names
 from specem_core.errors import ConfigError
 
-CONFIG_FIELDS = frozenset(SpecEMConfig.__dataclass_fields__)
-"""Every :class:`SpecEMConfig` field name."""
+CONFIG_FIELDS = frozenset(OPTIONS)
+"""Every :class:`~specem_core.config.SpecEMConfig` field name."""
 
 ALIASES: dict[str, str] = {
     "max_tokens": "max_new_tokens",
@@ -60,7 +60,8 @@ def surface_names(attributes: Iterable[str]) -> dict[str, str]:
 
 def config_fields(options: Mapping[str, Any], *, where: str, extra: Iterable[str] = ()) -> dict[str, Any]:
     """``options`` with aliases turned into :class:`SpecEMConfig` field names (``None`` values
-    dropped: "not given").
+    dropped: "not given"); names of 0.1 (:data:`specem_core.config.RENAMED`) are accepted with a
+    ``FutureWarning``.
 
     Args:
         options: names as a surface received them.
@@ -72,10 +73,10 @@ def config_fields(options: Mapping[str, Any], *, where: str, extra: Iterable[str
             or a field given twice under two spellings.
     """
     out: dict[str, Any] = {}
-    for key, value in options.items():
+    for key, value in current_names(options, where=where).items():
         field = ALIASES.get(key, key)
         if field not in CONFIG_FIELDS:
-            raise unknown_option(key, where=where, known=[*CONFIG_FIELDS, *ALIASES, *extra])
+            raise unknown_option(key, where=where, known=[*CONFIG_FIELDS, *ALIASES, *RENAMED, *extra])
         if value is None:
             continue
         if field in out:

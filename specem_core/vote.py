@@ -57,7 +57,7 @@ def score_rows(
                 values,
                 config.normalization,
                 nonpositive_rule=config.nonpositive_rule,
-                temperature=config.softmax_temperature,
+                temperature=config.normalization_temperature,
             )
         )
     return raw, normalized
@@ -120,7 +120,7 @@ def tally(
     row_weights = [weights.get(i, 1.0 / len(verifiers)) for i in verifiers]
     if not config.hedge and not learned:
         row_weights = [1.0 / len(verifiers)] * len(verifiers)
-    if config.self_vote == "exclude":
+    if config.leave_self_out:
         combined = combine_leave_self_out(normalized, row_weights, verifiers, owners, candidates)
     else:
         combined = combine(normalized, row_weights)

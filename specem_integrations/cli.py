@@ -17,11 +17,14 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from specem_core import __version__
-from specem_core.config import SpecEMConfig
+from specem_core.backends.base import BatchingMember
+from specem_core.config import SpecEMConfig, current_names
 from specem_core.errors import ConfigError, SpecEMError
 from specem_core.presets import (
     PRESETS,
@@ -38,6 +41,7 @@ from specem_core.vocabulary import config_fields
 
 if TYPE_CHECKING:
     from specem_core.engine import SpecEM
+    from specem_core.weights import MemberWeights
 
 _COLORS = ("\033[36m", "\033[35m", "\033[33m", "\033[32m", "\033[34m", "\033[31m")
 _RESET = "\033[0m"
@@ -147,7 +151,8 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
     parser.add_argument(
         "--model-exit", action=argparse.BooleanOptionalAction, default=None, help="drop consistently losing drafters"
     )
-    parser.add_argument("--faithful", action="store_true", help="the authors' exact formulas")
+    parser.add_argument("--reproduce-paper", action="store_true", help="the authors' exact decisions")
+    parser.add_argument("--faithful", action="store_true", help=argparse.SUPPRESS)  # 0.1's name of --reproduce-paper
     parser.add_argument(
         "--token-healing",
         action=argparse.BooleanOptionalAction,
@@ -167,7 +172,7 @@ def _set_argument(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FIELD=VALUE",
         dest="set_options",
-        help="any SpecEMConfig field (repeatable), e.g. --set normalization=softmax --set exit_temperature=0.2; "
+        help="any SpecEMConfig field (repeatable), e.g. --set normalization=softmax --set model_exit_temperature=0.2; "
         "applied after the other options",
     )
 
@@ -303,10 +308,36 @@ def _check_renamed(args: argparse.Namespace) -> None:
         )
 
 
-def _preset(args: argparse.Namespace) -> Preset | None:
-    """The preset this command runs (``specem_core.presets.resolve``: --preset, else the default
-    preset when no --model is given)."""
-    return resolve(args.preset, members_given=bool(args.model))
+@dataclass(frozen=True)
+class _Ensemble:
+    """What a command runs, resolved once from its options and validated before any model loads."""
+
+    preset: Preset | None
+    """``specem_core.presets.resolve``: --preset's, else the default preset when no --model is given."""
+    config: SpecEMConfig
+    """The preset's settings, the options over them, then ``--set``."""
+    weights: MemberWeights | None
+    """``--weights`` (a state file, started from the preset's prior when new), else the preset's
+    shipped prior (dropped by ``--model`` or ``--no-weights``)."""
+
+
+def _resolve(args: argparse.Namespace) -> _Ensemble:
+    """The ensemble the options describe (:class:`_Ensemble`); every option checked, nothing loaded.
+
+    Raises:
+        ConfigError: an unknown preset, an invalid setting or contradicting weight options.
+    """
+    _check_renamed(args)
+    preset = resolve(args.preset, members_given=bool(args.model))
+    config = _config(args, preset)
+    _check_weight_flags(args, preset)
+    weights = member_weights(
+        preset,
+        members_given=bool(args.model),
+        weights=False if args.no_weights else (args.weights or None),
+        min_share=args.min_share,
+    )
+    return _Ensemble(preset, config, weights)
 
 
 def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None:
@@ -318,23 +349,10 @@ def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None
         raise ConfigError("--min-share needs member weights (--weights, or a preset with a prior)")
 
 
-def _weights(args: argparse.Namespace, preset: Preset | None) -> Any:
-    """The member weights (:func:`specem_core.presets.member_weights`): ``--weights`` (a state
-    file, started from the preset's prior when new), else the preset's shipped prior (dropped by
-    ``--model`` or ``--no-weights``); checked before any model loads."""
-    _check_weight_flags(args, preset)
-    return member_weights(
-        preset, members_given=bool(args.model), weights=_weights_option(args), min_share=args.min_share
-    )
-
-
-def _weights_option(args: argparse.Namespace) -> str | bool | None:
-    """``weights=`` of :func:`specem_core.presets.assemble`: the file, ``False`` for none, ``None`` for the prior."""
-    return False if args.no_weights else (args.weights or None)
-
-
 def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
     """The preset's settings, the options over them, then ``--set``."""
+    if args.faithful:
+        warnings.warn("--faithful is now --reproduce-paper; the old flag stops working in 0.3", FutureWarning, 2)
     options: dict[str, Any] = {  # named as on the command line (the aliases: specem_core.vocabulary)
         "segment_len": args.segment_len,
         "max_tokens": args.max_tokens,
@@ -346,7 +364,7 @@ def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
         "hedge": args.hedge,
         "model_exit": args.model_exit,
         "token_healing": args.token_healing,
-        "faithful": True if args.faithful else None,
+        "reproduce_paper": True if args.reproduce_paper or args.faithful else None,
     }
     return _with_set_options(config_of(preset, **config_fields(options, where="specem")), args.set_options)
 
@@ -367,19 +385,24 @@ def _set_options(items: Sequence[str]) -> dict[str, Any]:
     import dataclasses
 
     types = {f.name: str(f.type) for f in dataclasses.fields(SpecEMConfig)}
-    out: dict[str, Any] = {}
+    raw_values: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         name, raw = name.strip(), raw.strip()
         if not sep or not name:
             raise ConfigError(f"--set expects FIELD=VALUE, got {item!r}")
+        raw_values[name] = raw
+    out: dict[str, Any] = {}
+    for name, raw in current_names(raw_values, where="--set").items():  # 0.1's names, with a warning
         if name not in types:
             raise ConfigError(f"--set: unknown SpecEM option {name!r}")
         kind = types[name]
         try:
-            if kind.startswith("bool"):
+            if not isinstance(raw, str):  # converted from its 0.1 form (self_vote=exclude)
+                value: Any = raw
+            elif kind.startswith("bool"):
                 if kind.endswith("None") and raw.lower() in ("none", "auto"):
-                    value: Any = None
+                    value = None
                 elif raw.lower() in _TRUE + _FALSE:
                     value = raw.lower() in _TRUE
                 else:
@@ -390,10 +413,6 @@ def _set_options(items: Sequence[str]) -> dict[str, Any]:
                 value = float(raw)
             elif kind.startswith("tuple"):
                 value = json.loads(raw) if raw.startswith("[") else (raw,)
-            elif kind.startswith("dict"):
-                value = json.loads(raw)
-                if not isinstance(value, dict):
-                    raise ValueError("expected a JSON object")
             else:  # the choice fields: validated by SpecEMConfig
                 value = raw
         except ValueError as exc:
@@ -428,34 +447,28 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
     return options
 
 
-def _engine(args: argparse.Namespace, err: TextIO) -> tuple[SpecEM, Preset | None]:
-    """The ensemble a command runs (:meth:`SpecEM.from_preset`, the one assembly every surface
-    uses); options are validated before any model loads."""
+def _engine(args: argparse.Namespace, err: TextIO, ensemble: _Ensemble) -> SpecEM:
+    """The ensemble a command runs, loaded (:meth:`SpecEM.from_preset`, the one assembly every
+    surface uses) from what :func:`_resolve` decided."""
     from specem_core.engine import SpecEM
 
-    _check_renamed(args)
-    preset = _preset(args)
-    config = _config(args, preset)
-    _check_weight_flags(args, preset)
-    engine = SpecEM.from_preset(
-        preset,
+    return SpecEM.from_preset(
+        ensemble.preset,
         members=args.model,
         verifiers=args.verifier,
-        weights=_weights_option(args),
-        min_share=args.min_share,
-        config=config,
+        weights=ensemble.weights if ensemble.weights is not None else False,
+        config=ensemble.config,
         backend=args.backend,
         device=args.device,
         member_kwargs=_member_kwargs(args, err),
     )
-    return engine, preset
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:
     """Apply ``--request-batch-size`` to the members that batch across requests (transformers)."""
     if size is None:
         return
-    batching = [m for m in members if hasattr(m, "request_batch_size")]
+    batching = [m for m in members if isinstance(m, BatchingMember)]
     for member in batching:
         member.request_batch_size = size
     if not batching:
@@ -474,8 +487,10 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     messages = [{"role": "user", "content": prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
-    engine, preset = _engine(args, err)
+    ensemble = _resolve(args)
+    engine = _engine(args, err, ensemble)
     members = engine.members
+    preset = ensemble.preset
     if preset is not None:
         print(f"preset: {preset.name} ({', '.join(m.name for m in members)})", file=err, flush=True)
     if args.json:
@@ -631,10 +646,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
     if not args.served_model_name.strip():
         raise SpecEMError("--served-model-name must not be empty")
-    _check_renamed(args)
-    preset = _preset(args)
-    _config(args, preset)  # validate everything before binding a port or loading models
-    _weights(args, preset)
+    ensemble = _resolve(args)  # everything validated before binding a port or loading models
     api_key: str | None = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env, "").strip()
@@ -645,7 +657,8 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except OSError as exc:
         raise SpecEMError(str(exc)) from None
     try:
-        engine, preset = _engine(args, err)
+        engine = _engine(args, err, ensemble)
+        preset = ensemble.preset
         members = engine.members
         _set_request_batch_size(members, args.request_batch_size, err)
         app = create_app(

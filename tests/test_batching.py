@@ -173,18 +173,18 @@ def test_merged_decode_steps_equal_each_sessions_own_step(pairs: dict[str, tuple
         b._ensure_prefilled()
         a.commit(" hello" * i)
         b.commit(" hello" * i)
-    assert len({s._cache_len() for s in merged}) == len(merged)
+    assert len({s.kv_length() for s in merged}) == len(merged)
     worst = 0.0
     tokens = [int(s._next_logits.argmax()) for s in single]
     for _ in range(24):  # past gemma3's sliding window of 16
-        steps = [Step(0, (s, t), batched._decode_rows) for s, t in zip(merged, tokens, strict=True)]
-        rows = batched._decode_rows(steps)
-        own = [s._forward([t]) for s, t in zip(single, tokens, strict=True)]
+        steps = [Step(0, (s, t), batched.decode_rows) for s, t in zip(merged, tokens, strict=True)]
+        rows = batched.decode_rows(steps)
+        own = [s.forward([t]) for s, t in zip(single, tokens, strict=True)]
         worst = max(worst, *(float((r - o).abs().max()) for r, o in zip(rows, own, strict=True)))
         tokens = [int(o.argmax()) for o in own]
     assert worst <= 1e-4
     for a, b in zip(merged, single, strict=True):
-        assert a._cache_len() == b._cache_len()
+        assert a.kv_length() == b.kv_length()
         for la, lb in zip(a._cache.layers, b._cache.layers, strict=True):
             assert float((la.keys - lb.keys).abs().max()) <= 1e-4
             assert float((la.values - lb.values).abs().max()) <= 1e-4
@@ -213,7 +213,7 @@ def test_merged_verification_blocks_score_exactly_and_a_merged_row_can_win(
     pairs: dict[str, tuple[Any, Any]], kind: str
 ) -> None:
     batched, _ = pairs[kind]
-    queue = batched._queue()
+    queue = batched.queue()
     sessions = [batched.open(_request(p)) for p in PROMPTS]
     for i, s in enumerate(sessions):  # different committed lengths: the merged pass pads
         s.commit(" hello wor" * (i + 1))
@@ -237,14 +237,14 @@ def test_merged_verification_blocks_score_exactly_and_a_merged_row_can_win(
     for i, s in enumerate(sessions):  # a merged row wins: its KV (after the padding) becomes the cache
         s.commit(cands[i][0][0])
         prompt = batched.encode_prompt(_request(PROMPTS[i]))
-        assert s._cache_len() == len(prompt) + len(s._resp_ids)
+        assert s.kv_length() == len(prompt) + len(s._resp_ids)
         d = s.draft(6, SamplingParams())
         assert (d.text, d.ended) == naive_draft(batched, prompt, s._text, 6)
 
 
 def test_drafts_made_in_merged_steps_equal_naive_greedy(pairs: dict[str, tuple[Any, Any]]) -> None:
     batched, _ = pairs["qwen2"]
-    queue = batched._queue()
+    queue = batched.queue()
     sessions = [batched.open(_request(p)) for p in PROMPTS]
     for s in sessions:
         s._ensure_prefilled()
@@ -270,7 +270,7 @@ def test_drafts_made_in_merged_steps_equal_naive_greedy(pairs: dict[str, tuple[A
 @pytest.mark.parametrize("kind", KINDS)
 def test_prompts_arriving_together_prefill_in_one_pass(pairs: dict[str, tuple[Any, Any]], kind: str) -> None:
     batched, alone = pairs[kind]
-    queue = batched._queue()
+    queue = batched.queue()
     sessions = [batched.open(_request(p)) for p in PROMPTS]
     drafts: list[Any] = [None] * len(sessions)
 

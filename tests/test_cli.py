@@ -102,12 +102,12 @@ def test_end_to_end_on_the_real_default_preset() -> None:
     assert "Paris" in proc.stdout
     assert "Traceback" not in proc.stderr
     assert "preset: quality (qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct)" in proc.stderr
-    proc = _run("chat", "Name one primary colour.", "--max-new-tokens", "16", "--json", "--faithful")
+    proc = _run("chat", "Name one primary colour.", "--max-new-tokens", "16", "--json", "--reproduce-paper")
     data = json.loads(proc.stdout)
     assert data["members"] == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
     assert data["text"]
-    assert data["config"]["faithful"] is True
-    assert data["config"]["trusted_opening_rounds"] == 0  # faithful overrides the preset's setting
+    assert data["config"]["reproduce_paper"] is True
+    assert data["config"]["trusted_opening_rounds"] == 0  # reproduce_paper overrides the preset's setting
     proc = _run("chat", "Name one primary colour.", "--preset", "fast", "--max-tokens", "16", "--json")
     data = json.loads(proc.stdout)
     assert data["members"] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
@@ -222,13 +222,22 @@ def test_chat_keeps_its_answer_when_the_state_file_cannot_be_saved(
 def test_set_maps_any_config_field() -> None:
     from specem_integrations.cli import _config, _parser
 
-    sets = ["normalization=softmax", "exit_temperature=0.2", "exit_agreement_rounds=2", "draft_hints=off"]
-    sets += ['stop=["\\n\\n", "END"]', "seed=none", "parallel=auto", "self_vote=exclude"]
+    sets = [
+        "normalization=softmax",
+        "model_exit_temperature=0.2",
+        "model_exit_agreement_rounds=2",
+        "reuse_other_drafts=off",
+    ]
+    sets += ['stop=["\\n\\n", "END"]', "seed=none", "parallel=auto", "leave_self_out=true"]
     args = _parser().parse_args(["chat", "hi", "--model-exit", *(x for item in sets for x in ("--set", item))])
     config = _config(args, None)
-    assert (config.normalization, config.exit_temperature, config.exit_agreement_rounds) == ("softmax", 0.2, 2)
-    assert (config.model_exit, config.draft_hints, config.stop) == (True, False, ("\n\n", "END"))
-    assert (config.seed, config.parallel, config.self_vote) == (None, None, "exclude")
+    assert (config.normalization, config.model_exit_temperature, config.model_exit_agreement_rounds) == (
+        "softmax",
+        0.2,
+        2,
+    )
+    assert (config.model_exit, config.reuse_other_drafts, config.stop) == (True, False, ("\n\n", "END"))
+    assert (config.seed, config.parallel, config.leave_self_out) == (None, None, True)
     assert _config(_parser().parse_args(["serve", "--set", "stop=###", "--segment-len", "4"]), None).stop == ("###",)
     assert _config(_parser().parse_args(["chat", "hi", "--seed", "5", "--set", "seed=none"]), None).seed is None
 
@@ -238,7 +247,7 @@ def test_set_maps_any_config_field() -> None:
     [
         ("nosuch=1", "--set: unknown SpecEM option 'nosuch'"),
         ("model_exit=maybe", "--set model_exit: cannot read 'maybe' (expected true or false)"),
-        ("exit_temperature=warm", "--set exit_temperature: cannot read 'warm'"),
+        ("model_exit_temperature=warm", "--set model_exit_temperature: cannot read 'warm'"),
         ("segment_len=2.5", "--set segment_len: cannot read '2.5'"),
         ("normalization=max", "normalization must be one of sum, softmax; got 'max'"),
         ("segment_len", "--set expects FIELD=VALUE, got 'segment_len'"),

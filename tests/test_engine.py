@@ -109,7 +109,7 @@ def test_verifier_only_member_scores_but_never_drafts() -> None:
 def test_model_exit_reduces_members_per_round() -> None:
     prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
     members = [ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a) for n in "abc"]
-    cfg = dict(model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10)
+    cfg = dict(model_exit=True, model_exit_min_rounds=2, model_exit_temperature=0.2, max_new_tokens=10)
     result = _engine(*members, **cfg).generate("q")
     assert result.members_per_round[0] == 3
     assert result.members_per_round[-1] == 1
@@ -130,7 +130,11 @@ def test_model_exit_can_keep_the_member_the_weights_trust(
     prefer_a = lambda committed, c: 10.0 if c.text.startswith("a") else 1.0  # noqa: E731
     members = [ScriptedMember(n, drafts=[(n + " ", False)], scorer=prefer_a) for n in "abc"]
     cfg = SpecEMConfig(
-        model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10, exit_keep_trusted=keep_trusted
+        model_exit=True,
+        model_exit_min_rounds=2,
+        model_exit_temperature=0.2,
+        max_new_tokens=10,
+        model_exit_keeps_trusted=keep_trusted,
     )
     result = SpecEM(members, cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
     assert result.text.startswith("a a ")  # b keeps drafting but keeps losing the vote
@@ -158,7 +162,7 @@ def test_model_exit_trusts_the_prior_over_weights_learned_from_votes(
         weights.observe({n: [1.0 if n == votes_favour else 0.0] for n in "abc"})
     start = dict(zip("abc", weights.start(list("abc")), strict=True))
     assert max(start, key=start.__getitem__) == "a"  # what the votes taught
-    cfg = SpecEMConfig(model_exit=True, exit_min_rounds=2, exit_temperature=0.2, max_new_tokens=10)
+    cfg = SpecEMConfig(model_exit=True, model_exit_min_rounds=2, model_exit_temperature=0.2, max_new_tokens=10)
     result = SpecEM(members, cfg, weights=weights).generate("q")
     assert "b" in result.segments[-1].drafters  # kept: the prior (or the model size) trusts it
     assert "c" not in result.segments[-1].drafters
@@ -168,7 +172,9 @@ def test_model_exit_trusts_the_prior_over_weights_learned_from_votes(
 def test_model_exit_stops_a_drafter_that_keeps_agreeing_with_the_trusted_one(agreement_rounds: int) -> None:
     a, b = (ScriptedMember(n, drafts=[("x ", False)]) for n in "ab")
     c = ScriptedMember("c", drafts=[("y ", False)], scorer=lambda committed, cand: 1.0)
-    cfg = SpecEMConfig(model_exit=True, exit_min_rounds=100, max_new_tokens=12, exit_agreement_rounds=agreement_rounds)
+    cfg = SpecEMConfig(
+        model_exit=True, model_exit_min_rounds=100, max_new_tokens=12, model_exit_agreement_rounds=agreement_rounds
+    )
     prior = {"a": 5.0, "b": 1.0, "c": 1.0}
     result = SpecEM([a, b, c], cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
     drafters = [seg.drafters for seg in result.segments]
@@ -197,7 +203,7 @@ def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
         for n, c in zip("ab", costs, strict=True)
     )
     weights = MemberWeights(prior, learning_rate=0.0) if prior is not None else None
-    cfg = SpecEMConfig(trusted_opening_rounds=2, max_new_tokens=8, model_exit=True, exit_min_rounds=1)
+    cfg = SpecEMConfig(trusted_opening_rounds=2, max_new_tokens=8, model_exit=True, model_exit_min_rounds=1)
     result = SpecEM([a, b], cfg, weights=weights).generate("q")
     segments = result.segments
     if opener is None:
@@ -209,7 +215,7 @@ def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
     assert segments[2].drafters == ["a", "b"]  # then the ensemble as usual: the vote picks a
     assert segments[2].winner == "a"
     assert result.text.startswith("b b a ")
-    assert SpecEMConfig(trusted_opening_rounds=3, faithful=True).trusted_opening_rounds == 0
+    assert SpecEMConfig(trusted_opening_rounds=3, reproduce_paper=True).trusted_opening_rounds == 0
 
 
 @pytest.mark.parametrize(
@@ -232,7 +238,7 @@ def test_trusted_veto_commits_another_members_segment_only_when_the_trusted_memb
     (segment,) = result.segments
     assert segment.winner == winner
     assert max(range(2), key=segment.combined.__getitem__) == 0  # the vote itself picked a every time
-    assert SpecEMConfig(trusted_veto=True, faithful=True).trusted_veto is False
+    assert SpecEMConfig(trusted_veto=True, reproduce_paper=True).trusted_veto is False
 
 
 def test_trusted_veto_without_member_weights_changes_nothing() -> None:
@@ -522,7 +528,7 @@ def test_drafters_on_one_device_take_turns_cheapest_first_with_the_earlier_draft
     assert [c.member for c in result.segments[0].candidates] == ["big", "small"]  # member order kept
     assert small.hints_seen[0] == []  # the cheaper member drafts first, shown nothing
     assert big.hints_seen[0] == ["uno dos"]
-    SpecEM([big, small], SpecEMConfig(segment_len=4, draft_hints=False)).generate("count")
+    SpecEM([big, small], SpecEMConfig(segment_len=4, reuse_other_drafts=False)).generate("count")
     assert big.hints_seen[-1] == []
     assert small.hints_seen[-1] == []
     remote = ScriptedMember("remote", drafts=[("x", True)], concurrency_key="server-b")

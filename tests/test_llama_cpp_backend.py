@@ -23,7 +23,7 @@ from specem_core import (  # noqa: E402
     SpecEM,
     SpecEMConfig,
 )
-from specem_core.backends._local import common_prefix  # noqa: E402
+from specem_core.backends._prefix_cache import common_prefix  # noqa: E402
 from specem_core.backends.llama_cpp import (  # noqa: E402
     LlamaCppMember,
     LlamaCppModel,
@@ -279,7 +279,7 @@ def test_faithful_engine_makes_the_naive_loops_decisions(
     members = [*_pair(models)[:1], LlamaCppMember(models[qwen], name="qwen")]
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
     budget = 18 if qwen in EXACT else 30  # under 64 positions with the prompt, where Q4_1 is invariant
-    engine = SpecEM(members, SpecEMConfig(faithful=True, segment_len=6, max_new_tokens=budget, hedge=hedge))
+    engine = SpecEM(members, SpecEMConfig(reproduce_paper=True, segment_len=6, max_new_tokens=budget, hedge=hedge))
     got = engine.generate(msgs)
     assert len(got.segments) >= 3
     want = naive_generate(members, msgs, segment_len=6, max_new_tokens=budget, hedge=hedge)
@@ -383,14 +383,14 @@ def _exact_pair(models: dict[str, LlamaCppModel]) -> list[LlamaCppMember]:
     return [LlamaCppMember(models["llama"], name="smollm2"), LlamaCppMember(models["qwen2-q4_1"], name="qwen")]
 
 
-@pytest.mark.parametrize("eos_voting", [True, False])
-def test_eos_voting_scores_the_end_of_turn_on_llama_cpp(models: dict[str, LlamaCppModel], eos_voting: bool) -> None:
-    """With ``eos_voting`` every verifier's score of a finished candidate is the mean over its
+@pytest.mark.parametrize("vote_on_stop", [True, False])
+def test_eos_voting_scores_the_end_of_turn_on_llama_cpp(models: dict[str, LlamaCppModel], vote_on_stop: bool) -> None:
+    """With ``vote_on_stop`` every verifier's score of a finished candidate is the mean over its
     tokens and the end-of-turn token (a from-scratch evaluation with the end of turn); without it,
     over its text only. The two differ here, so each setting is told apart from the other."""
     members = _exact_pair(models)
     msgs = [{"role": "user", "content": "Say only: yes"}]
-    result = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=16, eos_voting=eos_voting)).generate(msgs)
+    result = SpecEM(members, SpecEMConfig(segment_len=5, max_new_tokens=16, vote_on_stop=vote_on_stop)).generate(msgs)
     assert result.excluded == []
     assert result.finish_reason == "stop"
     last = result.segments[-1]
@@ -408,7 +408,7 @@ def test_eos_voting_scores_the_end_of_turn_on_llama_cpp(models: dict[str, LlamaC
             with_eos = naive_scores(m, prompt, committed, [(c.text, True)], True)[0][0]
             text_only = naive_scores(m, prompt, committed, [(c.text, True)], False)[0][0]
             assert abs(with_eos - text_only) > 100 * TOL  # the end of turn moves the mean
-            voted = with_eos if eos_voting else text_only
+            voted = with_eos if vote_on_stop else text_only
             assert row[n] == pytest.approx(voted, abs=TOL), (
                 f"{verifier} scored {c.text!r} {row[n]:.4f}; with the end of turn {with_eos:.4f}, "
                 f"text only {text_only:.4f}"
@@ -716,7 +716,7 @@ def test_integrations_take_the_backend(models: dict[str, LlamaCppModel]) -> None
     assert llm.complete("Say hi.").text
 
 
-# -- speculative drafting on the round's earlier candidates (SpecEMConfig.draft_hints) ----------
+# -- speculative drafting on the round's earlier candidates (SpecEMConfig.reuse_other_drafts) ----------
 @pytest.mark.parametrize("kind", ["llama", "qwen2", *REQUANTIZED])
 def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
     models: dict[str, LlamaCppModel], kind: str
@@ -803,7 +803,7 @@ def test_hinted_drafts_reuse_agreeing_rows_and_every_commit_path_stays_exact(
 
 
 def test_members_take_turns_cheapest_first_and_reuse_what_they_agree_on(models: dict[str, LlamaCppModel]) -> None:
-    """With draft_hints (default) the answer and every decision are those of drafting without
+    """With reuse_other_drafts (default) the answer and every decision are those of drafting without
     hints; a member shown a candidate it agrees with spends no decode step on those tokens."""
     if "llama" not in models:
         pytest.skip("SmolLM2 GGUF not installed")
@@ -812,7 +812,7 @@ def test_members_take_turns_cheapest_first_and_reuse_what_they_agree_on(models: 
     results = {}
     calls = {}
     for hints in (False, True):
-        engine = SpecEM(twin, SpecEMConfig(segment_len=8, max_new_tokens=48, draft_hints=hints))
+        engine = SpecEM(twin, SpecEMConfig(segment_len=8, max_new_tokens=48, reuse_other_drafts=hints))
         before = models["llama"].decode_calls
         results[hints] = engine.generate(msgs)
         calls[hints] = models["llama"].decode_calls - before

@@ -1,4 +1,4 @@
-"""The prefix cache across requests (``specem_core.backends._local.PrefixStore``, the llama.cpp
+"""The prefix cache across requests (``specem_core.backends._prefix_cache.PrefixStore``, the llama.cpp
 context pool and the transformers store): a follow-up turn prefills only its new tokens, a cached
 context never serves rows past the common prefix, eviction keeps the budget, an edited earlier
 message reuses only what still matches, concurrent sessions stay isolated, and greedy text with the
@@ -14,7 +14,7 @@ import pytest
 import tiny
 
 from specem_core import SamplingParams, SessionRequest, SpecEM, SpecEMConfig
-from specem_core.backends._local import PrefixStore, common_prefix
+from specem_core.backends._prefix_cache import PrefixStore, common_prefix
 from specem_core.errors import ConfigError
 
 SYSTEM = "You are a terse assistant. Answer with a few words."

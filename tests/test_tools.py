@@ -559,7 +559,7 @@ def test_trusted_tool_calls_let_the_trusted_member_write_a_started_call(trusted_
         assert result.tool_calls[0].arguments == {"city": city}
     if drafters[1] == ["b"]:  # an unvoted round: nobody scored, nothing to learn from
         assert (result.segments[1].verifiers, result.segments[1].raw_scores) == ([], [])
-    assert SpecEMConfig(trusted_tool_calls=True, faithful=True).trusted_tool_calls is False
+    assert SpecEMConfig(trusted_tool_calls=True, reproduce_paper=True).trusted_tool_calls is False
 
 
 @pytest.mark.parametrize(
@@ -648,7 +648,7 @@ def test_unanimous_tool_calls_open_in_words_when_a_drafter_would(
     assert result is not None
     if opening == "It may rain":
         assert (result.text, result.tool_calls) == ("It may rain today.", [])  # b went on in words
-    assert SpecEMConfig(unanimous_tool_calls=True, faithful=True).unanimous_tool_calls is False
+    assert SpecEMConfig(unanimous_tool_calls=True, reproduce_paper=True).unanimous_tool_calls is False
 
 
 def test_every_candidate_broken_means_trimmed_candidates():

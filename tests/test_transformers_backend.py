@@ -125,7 +125,9 @@ def test_faithful_engine_makes_the_naive_loops_decisions(
     tiny_members: list[Any], hedge: bool, segment_len: int
 ) -> None:
     msgs = [{"role": "user", "content": "Write code to add numbers."}]
-    engine = SpecEM(tiny_members, SpecEMConfig(faithful=True, segment_len=segment_len, max_new_tokens=40, hedge=hedge))
+    engine = SpecEM(
+        tiny_members, SpecEMConfig(reproduce_paper=True, segment_len=segment_len, max_new_tokens=40, hedge=hedge)
+    )
     got = engine.generate(msgs)
     assert len(got.segments) >= 3
     want = naive_generate(tiny_members, msgs, segment_len=segment_len, max_new_tokens=40, hedge=hedge)
@@ -226,7 +228,7 @@ def test_token_healing_in_the_engine(tiny_members: list[Any]) -> None:
         assert d.engine == d.with_feature, f"round {d.round}, {d.member}: not the healed draft ({d})"
     changed = [d for d in drafts if d.with_feature != d.without_feature]
     assert changed, "healing changed no draft: this prompt does not exercise it"
-    assert SpecEMConfig(faithful=True, token_healing=True).token_healing is False
+    assert SpecEMConfig(reproduce_paper=True, token_healing=True).token_healing is False
 
 
 def test_open_is_cheap_and_the_prompt_is_prefilled_on_first_use() -> None:

@@ -120,8 +120,8 @@ def test_aliases_reach_the_same_field_on_every_surface() -> None:
     overrides = index_llm._config_overrides({"member_retries": 4})
     assert overrides == {"max_new_tokens": 5, "top_p": 0.9, "seed": 3, "hedge": False, "model_exit": True,
                          "member_retries": 4}  # fmt: skip
-    call = _server_request(trusted_opening_rounds=1, normalization="softmax", exit_agreement_rounds=2)
-    assert call.overrides == {"trusted_opening_rounds": 1, "normalization": "softmax", "exit_agreement_rounds": 2}
+    call = _server_request(trusted_opening_rounds=1, normalization="softmax", model_exit_agreement_rounds=2)
+    assert call.overrides == {"trusted_opening_rounds": 1, "normalization": "softmax", "model_exit_agreement_rounds": 2}
 
 
 def test_per_call_timeout_and_retries(tiny_members: list[Any]) -> None:
@@ -129,7 +129,7 @@ def test_per_call_timeout_and_retries(tiny_members: list[Any]) -> None:
     from specem_integrations.langchain import ChatSpecEM
     from specem_integrations.llamaindex import SpecEMLLM
 
-    engine = SpecEM(tiny_members[:2], SpecEMConfig(max_new_tokens=48, segment_len=2, eos_voting=False))
+    engine = SpecEM(tiny_members[:2], SpecEMConfig(max_new_tokens=48, segment_len=2, vote_on_stop=False))
     with pytest.raises(TimeoutError, match=r"timeout=1e-06s"):
         ChatSpecEM(engine=engine).invoke("Hello", timeout=1e-6, max_retries=0)
     with pytest.raises(TimeoutError, match=r"timeout=1e-06s"):

@@ -153,8 +153,8 @@ def test_faithful_requests_neither_read_nor_update_learned_weights() -> None:
     members = _trio({"a": "A", "b": "A", "c": "C"})
     weights = MemberWeights({"a": 10.0, "b": 1.0, "c": 1.0})
     engine = SpecEM(members, SpecEMConfig(max_new_tokens=4), weights=weights)
-    paper = engine.generate("q", faithful=True)
-    reference = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4, faithful=True))
+    paper = engine.generate("q", reproduce_paper=True)
+    reference = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4, reproduce_paper=True))
     assert [s.weights for s in paper.segments] == [s.weights for s in reference.generate("q").segments]
     assert weights.requests == 0
 
@@ -281,12 +281,12 @@ def test_leave_self_out_lets_the_others_decide() -> None:
         for n in "abc"
     ]
     keep = SpecEM(members, max_new_tokens=2, hedge=False).generate("q")
-    leave = SpecEM(members, max_new_tokens=2, hedge=False, self_vote="exclude").generate("q")
+    leave = SpecEM(members, max_new_tokens=2, hedge=False, leave_self_out=True).generate("q")
     assert keep.text == "A"
     assert leave.text == "C"
-    with pytest.raises(ConfigError, match="self_vote"):
-        SpecEMConfig(self_vote="never")  # type: ignore[arg-type]
-    assert SpecEMConfig(self_vote="exclude", faithful=True).self_vote == "keep"
+    with pytest.raises(ConfigError, match="leave_self_out"):
+        SpecEMConfig(leave_self_out="never")  # type: ignore[arg-type]
+    assert SpecEMConfig(leave_self_out=True, reproduce_paper=True).leave_self_out is False
 
 
 def test_weights_file_written_by_an_engine_is_plain_json(tmp_path: Path) -> None:

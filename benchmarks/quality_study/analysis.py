@@ -236,7 +236,7 @@ def prior_replay(task: str, name: str, against: str) -> str:
     from specem_core.scoring import softmax
     from specem_core.weights import MemberWeights
 
-    temperature = float(spec["config"].get("softmax_temperature", 1.0))
+    temperature = float(spec["config"].get("normalization_temperature", 1.0))
     min_share = float(spec["weights"].get("min_share", 0.0))
     rows = {row["id"]: row for row in load_rows(task, None)}
     recs = {str(r["key"]): r for r in records(task, name)}

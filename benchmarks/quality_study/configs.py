@@ -17,18 +17,18 @@ Q15, Q05, SMOL = "llamacpp:qwen2.5-coder-1.5b", "llamacpp:qwen2.5-coder", "llama
 V2: dict[str, Any] = {
     "normalization": "softmax",
     "model_exit": True,
-    "exit_temperature": 0.2,
-    "exit_keep_trusted": False,  # v2/v3 ran before it existed (now on by default): off reproduces them
+    "model_exit_temperature": 0.2,
+    "model_exit_keeps_trusted": False,  # v2/v3 ran before it existed (now on by default): off reproduces them
 }
-V4: dict[str, Any] = {**V2, "exit_keep_trusted": True}  # (the default now)
+V4: dict[str, Any] = {**V2, "model_exit_keeps_trusted": True}  # (the default now)
 V4_WEIGHTS: dict[str, Any] = {"prior": "crossfit", "learning_rate": 1.0, "min_share": 0.1}
-V5: dict[str, Any] = {**V4, "exit_agreement_rounds": 2}
+V5: dict[str, Any] = {**V4, "model_exit_agreement_rounds": 2}
 CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
     "qwen": {"members": ["qwen2.5-coder"], "config": {}},
     "default": {"members": ["smollm2", "qwen2.5-coder"], "config": {}},
-    "faithful": {"members": ["smollm2", "qwen2.5-coder"], "config": {"faithful": True}},
+    "faithful": {"members": ["smollm2", "qwen2.5-coder"], "config": {"reproduce_paper": True}},
     "logprob": {"members": ["smollm2", "qwen2.5-coder"], "config": {"scoring": "mean_logprob"}},
     "softmax": {"members": ["smollm2", "qwen2.5-coder"], "config": {"normalization": "softmax"}},
     "no-hedge": {"members": ["smollm2", "qwen2.5-coder"], "config": {"hedge": False}},
@@ -102,13 +102,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # exit), beside the `quality` preset (the same pair, v7 settings and its shipped prior)
     "pair-paper": {"members": [Q15, Q05], "config": {}},
     # the `quality` preset as first shipped, with speculative drafting on the other member's
-    # candidates (draft_hints, the library default) and a one-segment opening: the hint rows come
+    # candidates (reuse_other_drafts, the library default) and a one-segment opening: the hint rows come
     # from batched passes and Qwen's packaged kernels are not batch-invariant, so answers the 1.5B won
     # outright still differed from its text alone (29 of 164 on HumanEval); the preset now turns hints off
     "quality-hints": {
         "members": [Q15, Q05],
         "preset": "quality",
-        "config": {"draft_hints": True, "trusted_opening_rounds": 1, "trusted_veto": False},
+        "config": {"reuse_other_drafts": True, "trusted_opening_rounds": 1, "trusted_veto": False},
     },
     # quality v3's code setting: `pair-paper` with segments that end at line ends (at most 16 tokens:
     # most lines of a HumanEval solution fit), so the vote compares whole lines of code (under the

@@ -4,15 +4,24 @@ A :class:`Member` is a loaded model (shared by all requests, thread-safe). For e
 engine opens a :class:`MemberSession`, which holds that request's state (KV cache, committed
 text) and answers four calls per round: ``draft``, ``score``, ``commit`` and, at the end,
 ``close``. Candidates cross members as text, so members may use any tokenizer.
+
+Optional features a backend may offer are declared protocols too, and read through them (never
+by probing attribute names): :class:`CostedMember` (the relative cost of a drafted token),
+:class:`SettlingMember` (background work to wait for at shutdown), :class:`BatchingMember`
+(cross-request batching on one device) and :class:`CachingSession` (prompt tokens read from a
+prefix cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from specem_core.types import Candidate, CandidateScore, Draft
+
+if TYPE_CHECKING:
+    from specem_core.backends._batching import BatchStats
 
 
 @dataclass(frozen=True)
@@ -128,3 +137,61 @@ class Member(Protocol):
             ContextWindowError: the prompt does not fit.
         """
         ...
+
+
+# -- optional features ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class CostedMember(Protocol):
+    """A member that knows the relative cost of one drafted token (e.g. its weights' size): the
+    engine lets the cheapest draft first on a shared device, and the trusted member is the
+    larger one among equal priors."""
+
+    @property
+    def draft_cost(self) -> float:
+        """Relative cost of one drafted token (only the order between members matters)."""
+        ...
+
+
+@runtime_checkable
+class SettlingMember(Protocol):
+    """A member that does work in the background after a request (llama.cpp: prefix-cache copies)."""
+
+    def settle(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the background work is done."""
+        ...
+
+
+@runtime_checkable
+class BatchingMember(Protocol):
+    """A member whose concurrent requests share forward passes on its device."""
+
+    request_batch_size: int
+    """At most this many concurrent requests' steps share a pass (1: no batching)."""
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What the device queue did so far, or ``None`` when batching is off."""
+        ...
+
+
+@runtime_checkable
+class CachingSession(Protocol):
+    """A session whose prompt may be read from a prefix cache instead of prefilled."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from a cache instead of computed."""
+        ...
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens run through the model to build this request's prefix."""
+        ...
+
+
+def draft_cost(member: Member) -> float:
+    """``member``'s relative cost of one drafted token (:class:`CostedMember`); 0 for a member
+    that does not say, which keeps the member order."""
+    return float(member.draft_cost) if isinstance(member, CostedMember) else 0.0

@@ -19,11 +19,13 @@ imports only the ones listed before it):
   text, :class:`~specem_core.types.ToolCall` s (with ids and arguments coerced to the tool's JSON
   schema) and :class:`~specem_core.types.InvalidToolCall` s; :func:`loads_lenient` reads JSON
   that is fenced or cut short. It never raises on model output.
+* :mod:`~specem_core.tools.json_prefix` — a JSON parser that accepts any prefix of a valid
+  document and checks a JSON schema on the way.
 * :mod:`~specem_core.tools.constraints` — :class:`ToolCallConstraint`, :class:`JSONConstraint` and
   :class:`PlainTextConstraint` (and :class:`AnswerConstraint`, the words of a final answer after
   tool results), the :data:`~specem_core.engine.CandidateFilter` s that keep a
   segment a valid prefix (of a call to a known tool with arguments fitting its schema, of a JSON
-  answer, of plain text) during generation, on a JSON prefix parser.
+  answer, of plain text) during generation.
 * :mod:`~specem_core.tools.plan` — :class:`OutputPlan` puts it together for one request: which
   tools to render, a *prefill* that forces a call for ``tool_choice="required"`` or a named tool,
   the constraint, ``response_format`` (an instruction, a ``{`` prefill and a schema constraint),

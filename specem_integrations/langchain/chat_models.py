@@ -25,6 +25,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from specem_core.config import RENAMED, USER_OPTIONS, current_names
 from specem_core.deadline import awithin, timeout_of, within
 from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.tools import normalize_tool_choice, normalize_tools
@@ -35,21 +36,6 @@ from specem_integrations.langchain._convert import final_chunk, to_ai_message, t
 if TYPE_CHECKING:
     from specem_core.engine import SpecEM
 
-_KNOBS = (
-    "segment_len",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "seed",
-    "hedge",
-    "faithful",
-    "model_exit",
-    "eos_voting",
-    "scoring",
-    "normalization",
-)
-"""ChatSpecEM fields that are :class:`SpecEMConfig` fields of the same name."""
 _REQUEST_KEYS = frozenset({"tools", "tool_choice", "response_format", "parallel_tool_calls"})
 _IGNORED_KEYS = frozenset({"strict", "stream_usage"})
 """Per-call arguments LangChain or agents may pass that mean nothing to a local ensemble."""
@@ -58,6 +44,8 @@ _FIXED_PER_INSTANCE = frozenset({"members", "preset", "engine", "engine_options"
 _FIELD_ALIASES = surface_names(["max_tokens", "max_retries"])
 """SpecEMConfig / CLI spellings accepted for ChatSpecEM's fields (LangChain's names win), by the
 field they set (the table: :data:`specem_core.vocabulary.ALIASES`)."""
+_OLD_FIELDS = {old: new for old, new in RENAMED.items() if new in USER_OPTIONS}
+"""Field names of 0.1 (``faithful``, ``eos_voting``, …), accepted with a ``FutureWarning`` until 0.3."""
 
 
 class ChatSpecEM(BaseChatModel):
@@ -163,37 +151,63 @@ class ChatSpecEM(BaseChatModel):
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
 
-    temperature: float | None = None
-    """Drafting temperature (0 = greedy, deterministic)."""
+    # -- the options a user tunes: every specem_core.config.USER_OPTIONS (None: the preset's) ------
     max_tokens: int | None = None
-    """Cap on the answer, in the first member's tokens."""
+    """Cap on the answer, in the first member's tokens (``SpecEMConfig.max_new_tokens``)."""
+    temperature: float | None = None
+    """Drafting temperature in [0, 2] (0 = greedy, deterministic)."""
+    top_p: float | None = None
+    """Nucleus sampling mass while drafting."""
+    top_k: int | None = None
+    """Top-k filter while drafting (0: off)."""
+    repetition_penalty: float | None = None
+    """HF-style repetition penalty while drafting (1.0: off)."""
+    seed: int | None = None
+    """Seed of sampled drafting."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings: the answer ends before the first one."""
     segment_len: int | None = None
     """Tokens each member drafts per round (paper: 10)."""
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    """Seed of sampled drafting."""
-    hedge: bool | None = None
-    """Online Hedge weighting of the verifiers (on by default)."""
-    faithful: bool | None = None
-    """Reproduce the authors' formulas exactly (see :class:`specem_core.SpecEMConfig`)."""
-    model_exit: bool | None = None
-    """Stop drafting with members that keep losing (SpecFuse's Model Exit)."""
-    eos_voting: bool | None = None
+    segment_boundary: Literal["tokens", "line"] | None = None
+    """``"line"``: a draft also ends at its first line end (whole lines of code are voted on)."""
     scoring: Literal["mean_logit", "mean_logprob"] | None = None
+    """How a verifier scores a candidate: mean raw logit (the paper) or mean log-prob."""
     normalization: Literal["sum", "softmax"] | None = None
+    """How a verifier's scores are normalized over the candidates."""
+    hedge: bool | None = None
+    """Learn verifier weights within a request (Hedge; on by default)."""
+    vote_on_stop: bool | None = None
+    """Verifiers also score each finished candidate's end-of-turn token (on by default)."""
+    reuse_other_drafts: bool | None = None
+    """Members on one device draft in turn, continuing from earlier candidates where they agree."""
+    model_exit: bool | None = None
+    """Model Exit: members that keep losing stop drafting."""
+    model_exit_temperature: float | None = None
+    """Model Exit's τ."""
+    model_exit_agreement_rounds: int | None = None
+    """Model Exit also stops a drafter that agreed with the kept member this many rounds running."""
+    trusted_opening_rounds: int | None = None
+    """The first N rounds are drafted by the trusted member alone (needs member weights)."""
+    trusted_veto: bool | None = None
+    """Another member's segment wins only if the trusted member scores it at least as high as its own."""
+    trusted_tool_calls: bool | None = None
+    """The trusted member writes the rest of a tool call the answer started."""
+    unanimous_tool_calls: bool | None = None
+    """An answer opens with a tool call only when every drafter's opening does."""
+    reproduce_paper: bool | None = None
+    """Reproduce the authors' decisions exactly."""
+    max_retries: int | None = None
+    """Retries of a failing member call before the member is dropped from the request
+    (``SpecEMConfig.member_retries``). Can also be given per call."""
+    parallel: bool | None = None
+    """Run members concurrently (``None``: only members on different devices or servers)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Any other :class:`specem_core.SpecEMConfig` field."""
+    """Any :class:`specem_core.SpecEMConfig` option, the study's (:class:`specem_core.config.StudyOptions`)
+    included; the fields above win over it. Every option and its meaning: the configuration guide."""
 
     timeout: float | None = None
     """Seconds a request may take; checked as each segment is committed (``TimeoutError``).
     Can also be given per call."""
-    max_retries: int | None = None
-    """Retries of a failing member call before the member is dropped from the request
-    (``SpecEMConfig.member_retries``). Can also be given per call."""
     streaming: bool = False
     """Generate through :meth:`stream` even for :meth:`invoke` (callbacks see each segment)."""
 
@@ -208,6 +222,8 @@ class ChatSpecEM(BaseChatModel):
         if not isinstance(values, dict):
             return values
         values = with_field_names(values, _FIELD_ALIASES, where="ChatSpecEM")
+        if any(key in _OLD_FIELDS for key in values):
+            values = current_names(values, where="ChatSpecEM")
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
         check_known(values, [*known, *_FIELD_ALIASES], where="ChatSpecEM")
         return values
@@ -550,3 +566,8 @@ class ChatSpecEM(BaseChatModel):
         parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
         with_fallback = parser_assign.with_fallbacks([parser_none], exception_key="parsing_error")
         return RunnableMap(raw=llm) | with_fallback
+
+
+_KNOBS = tuple(name for name in USER_OPTIONS if name in ChatSpecEM.model_fields)
+"""ChatSpecEM fields that are :class:`SpecEMConfig` options of the same name (derived: every user
+option is a field, under its own name or its LangChain spelling in :data:`_FIELD_ALIASES`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +34,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
+from specem_core.config import RENAMED, USER_OPTIONS, current_names, option_docs
 from specem_core.deadline import awithin, timeout_of, within
 from specem_core.errors import ConfigError, InputError
 from specem_core.presets import Preset, check_model_name, config_of, resolve
@@ -54,26 +56,19 @@ if TYPE_CHECKING:
 
 _IGNORED_KWARGS = frozenset({"formatted", "verbose"})
 """Keyword arguments LlamaIndex passes along that mean nothing to a local ensemble."""
-_KNOBS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "seed",
-    "segment_len",
-    "stop",
-    "hedge",
-    "faithful",
-    "model_exit",
-    "eos_voting",
-    "scoring",
-    "normalization",
-)
-"""SpecEMLLM fields that are :class:`SpecEMConfig` fields of the same name."""
 _SURFACE_NAMES = surface_names(["max_tokens", "max_retries"])
 """SpecEMLLM's fields named as LlamaIndex names them, by the SpecEMConfig field they set."""
 _FIELD_ALIASES = {**_SURFACE_NAMES, "stop_sequences": "stop", "model_name": "model"}
 """SpecEMConfig / older spellings accepted for SpecEMLLM's fields (LlamaIndex's names win)."""
+_OLD_FIELDS = {old: new for old, new in RENAMED.items() if new in USER_OPTIONS}
+"""Field names of 0.1 (``faithful``, ``eos_voting``, …), accepted with a ``FutureWarning`` until 0.3."""
+
+
+def _doc(option: str) -> str:
+    """The first line of a :class:`SpecEMConfig` option's docstring, as the field's description."""
+    return option_docs().get(option, "").split("\n\n")[0].replace("\n", " ") or f"SpecEMConfig.{option}"
+
+
 _FIXED_PER_INSTANCE = frozenset({"members", "preset", "model", "engine", "engine_options", "backend", "member_kwargs"})
 """Arguments that choose the ensemble: set on the instance, never per call."""
 
@@ -171,19 +166,28 @@ class SpecEMLLM(FunctionCallingLLM):
             "name; None: the preset's; reported as num_output)."
         ),
     )
-    temperature: float | None = Field(default=None, ge=0.0, description="Drafting temperature in [0, 2] (0 = greedy).")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus mass of sampled drafting.")
-    top_k: int | None = Field(default=None, ge=0, description="Top-k of sampled drafting (0: off).")
-    repetition_penalty: float | None = Field(default=None, gt=0.0, description="HF-style repetition penalty.")
-    seed: int | None = Field(default=None, description="Seed of sampled drafting.")
-    segment_len: int | None = Field(default=None, gt=0, description="Tokens each member drafts per round.")
-    stop: list[str] | None = Field(default=None, description="Stop strings; the answer ends before them.")
-    hedge: bool | None = Field(default=None, description="Online Hedge weighting of the verifiers.")
-    faithful: bool | None = Field(default=None, description="Reproduce the authors' formulas exactly.")
-    model_exit: bool | None = Field(default=None, description="Stop drafting with members that keep losing.")
-    eos_voting: bool | None = Field(default=None, description="Verifiers also vote on ending the answer.")
-    scoring: Literal["mean_logit", "mean_logprob"] | None = Field(default=None, description="Verifier score.")
-    normalization: Literal["sum", "softmax"] | None = Field(default=None, description="Per-verifier normalization.")
+    temperature: float | None = Field(default=None, ge=0.0, description=_doc("temperature"))
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=_doc("top_p"))
+    top_k: int | None = Field(default=None, ge=0, description=_doc("top_k"))
+    repetition_penalty: float | None = Field(default=None, gt=0.0, description=_doc("repetition_penalty"))
+    seed: int | None = Field(default=None, description=_doc("seed"))
+    stop: list[str] | None = Field(default=None, description=_doc("stop"))
+    segment_len: int | None = Field(default=None, gt=0, description=_doc("segment_len"))
+    segment_boundary: Literal["tokens", "line"] | None = Field(default=None, description=_doc("segment_boundary"))
+    scoring: Literal["mean_logit", "mean_logprob"] | None = Field(default=None, description=_doc("scoring"))
+    normalization: Literal["sum", "softmax"] | None = Field(default=None, description=_doc("normalization"))
+    hedge: bool | None = Field(default=None, description=_doc("hedge"))
+    vote_on_stop: bool | None = Field(default=None, description=_doc("vote_on_stop"))
+    reuse_other_drafts: bool | None = Field(default=None, description=_doc("reuse_other_drafts"))
+    model_exit: bool | None = Field(default=None, description=_doc("model_exit"))
+    model_exit_temperature: float | None = Field(default=None, gt=0.0, description=_doc("model_exit_temperature"))
+    model_exit_agreement_rounds: int | None = Field(default=None, ge=0, description=_doc("model_exit_agreement_rounds"))
+    trusted_opening_rounds: int | None = Field(default=None, ge=0, description=_doc("trusted_opening_rounds"))
+    trusted_veto: bool | None = Field(default=None, description=_doc("trusted_veto"))
+    trusted_tool_calls: bool | None = Field(default=None, description=_doc("trusted_tool_calls"))
+    unanimous_tool_calls: bool | None = Field(default=None, description=_doc("unanimous_tool_calls"))
+    reproduce_paper: bool | None = Field(default=None, description=_doc("reproduce_paper"))
+    parallel: bool | None = Field(default=None, description=_doc("parallel"))
     timeout: float | None = Field(
         default=None, gt=0.0, description="Seconds a request may take (checked per committed segment; per call too)."
     )
@@ -199,7 +203,10 @@ class SpecEMLLM(FunctionCallingLLM):
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Any other SpecEMConfig field, for every request.",
+        description=(
+            "Any SpecEMConfig option, the study's (specem_core.config.StudyOptions) included, for every "
+            "request; the fields above win over it."
+        ),
     )
 
     _engine: Any = PrivateAttr(default=None)
@@ -219,6 +226,8 @@ class SpecEMLLM(FunctionCallingLLM):
                 ``model`` that names no preset, or an invalid setting.
         """
         kwargs = with_field_names(kwargs, _FIELD_ALIASES, where="SpecEMLLM")
+        if any(key in _OLD_FIELDS for key in kwargs):
+            kwargs = current_names(kwargs, where="SpecEMLLM")
         check_known(kwargs, [*type(self).model_fields, *_FIELD_ALIASES], where="SpecEMLLM")
         members = kwargs.get("members")
         if members is not None:
@@ -278,7 +287,7 @@ class SpecEMLLM(FunctionCallingLLM):
     def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """SpecEM config for one request: engine_options < the LLM's fields < call kwargs."""
         overrides = config_fields(self.engine_options, where="SpecEMLLM engine_options")
-        for name in _KNOBS:
+        for name in _knobs():
             value = getattr(self, name)
             if value is not None:
                 overrides[name] = value
@@ -595,3 +604,10 @@ def force_single_tool_call(response: ChatResponse) -> ChatResponse:
         update={"blocks": [b for b in blocks if not isinstance(b, ToolCallBlock) or b is keep]}
     )
     return response.model_copy(update={"message": message})
+
+
+@functools.cache
+def _knobs() -> tuple[str, ...]:
+    """SpecEMLLM fields that are :class:`SpecEMConfig` options of the same name (derived: every user
+    option is a field, under its own name or its LlamaIndex spelling in :data:`_SURFACE_NAMES`)."""
+    return tuple(name for name in USER_OPTIONS if name in SpecEMLLM.model_fields)

@@ -9,19 +9,32 @@ OpenAI-compatible servers usually do, and features SpecEM cannot honour (``n > 1
 from __future__ import annotations
 
 import json
+import logging
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from specem_core.config import MAX_TEMPERATURE, SpecEMConfig
+from specem_core.config import (
+    MAX_TEMPERATURE,
+    OPTIONS,
+    REMOVED,
+    RENAMED,
+    SpecEMConfig,
+    current_names,
+    option_docs,
+    option_types,
+)
 from specem_core.errors import ConfigError, InputError
 from specem_core.tools import OutputPlan, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, ToolCall, validate_messages
 from specem_core.vocabulary import ALIASES, OPENAI_ALIASES
 from specem_integrations.server._errors import APIError, invalid_request
+
+_log = logging.getLogger("specem.server")
 
 TRACE_HEADER = "x-specem-trace"
 """Request header that asks for the per-round trace (``1``/``true``), like ``{"specem": {"trace": true}}``."""
@@ -64,10 +77,12 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class SpecEMOptions(BaseModel):
-    """The ``specem`` extension object of a request: the trace and the :class:`SpecEMConfig` fields
-    a request may set (the OpenAI fields -- ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
-    ``stop`` -- go at the top level). Unset fields keep the server's (its preset's) values."""
+class _SpecEMOptionsBase(BaseModel):
+    """The ``specem`` extension object of a request: the trace, a preset's settings, and every
+    :class:`SpecEMConfig` option a request may set (:data:`REQUEST_FIELDS`, typed as the config
+    types them: derived, never retyped). The OpenAI fields -- ``max_tokens``, ``temperature``,
+    ``top_p``, ``seed``, ``stop`` -- go at the top level. Unset fields keep the server's (its
+    preset's) values. Option names of 0.1 are accepted with a warning until 0.3."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -77,39 +92,41 @@ class SpecEMOptions(BaseModel):
     """A preset's settings for this request (``specem presets``): allowed when the preset's members
     are the server's members; its fields apply first and the other fields here override them. The
     member weights stay the server's (start the server with ``--preset`` for the preset's prior)."""
-    segment_len: int | None = None
-    segment_boundary: Literal["tokens", "line"] | None = None
-    """``"line"``: segments also end at line ends (whole lines of code are voted on)."""
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    """Never end before ``max_tokens`` (fixed-length answers for benchmarks)."""
-    token_healing: bool | None = None
-    scoring: Literal["mean_logit", "mean_logprob"] | None = None
-    normalization: Literal["sum", "softmax"] | None = None
-    nonpositive_rule: Literal["softmax", "raw"] | None = None
-    softmax_temperature: float | None = None
-    hedge: bool | None = None
-    hedge_eta0: float | None = None
-    hedge_decay: Literal["sqrt", "inverse"] | None = None
-    self_vote: Literal["keep", "exclude"] | None = None
-    model_exit: bool | None = None
-    exit_temperature: float | None = None
-    exit_entropy_ratio: float | None = None
-    exit_min_prob: float | None = None
-    exit_min_rounds: int | None = None
-    exit_keep_trusted: bool | None = None
-    exit_agreement_rounds: int | None = None
-    trusted_opening_rounds: int | None = None
-    trusted_veto: bool | None = None
-    eos_voting: bool | None = None
-    draft_hints: bool | None = None
-    faithful: bool | None = None
-    member_retries: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _current_names(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and any(key in RENAMED or key in REMOVED for key in data):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    data = current_names(data, where="the 'specem' request object")
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
+            for warning in caught:
+                _log.warning("%s", warning.message)
+        return data
 
 
-REQUEST_FIELDS = tuple(name for name in SpecEMOptions.model_fields if name not in ("trace", "preset"))
-"""The SpecEMConfig fields a request's ``specem`` object may set."""
+_TOP_LEVEL = frozenset({"max_new_tokens", "temperature", "top_p", "seed", "stop"})
+"""Options a request sets with OpenAI's top-level fields, not in the ``specem`` object."""
+REQUEST_FIELDS = tuple(name for name in OPTIONS if name not in _TOP_LEVEL and name != "parallel")
+"""The SpecEMConfig fields a request's ``specem`` object may set: every option but the OpenAI
+top-level ones and ``parallel`` (how the server runs its members is the server's)."""
+
+if TYPE_CHECKING:  # the fields below are read by name (REQUEST_FIELDS), never as attributes
+    SpecEMOptions = _SpecEMOptionsBase
+else:
+    SpecEMOptions = create_model(
+        "SpecEMOptions",
+        __base__=_SpecEMOptionsBase,
+        __module__=__name__,
+        __doc__=_SpecEMOptionsBase.__doc__,
+        **{
+            name: (option_types()[name] | None, Field(default=None, description=option_docs().get(name)))
+            for name in REQUEST_FIELDS
+        },
+    )
 
 
 class ChatCompletionRequest(_Strict):

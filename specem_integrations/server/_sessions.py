@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from specem_core.backends.base import Member, MemberSession, SamplingParams, SessionRequest
+from specem_core.backends.base import CachingSession, Member, MemberSession, SamplingParams, SessionRequest
 from specem_core.types import Candidate, CandidateScore, Draft
 
 
@@ -71,12 +71,12 @@ class CountedSession:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens the member read from its prefix cache (0 for members without one)."""
-        return int(getattr(self._inner, "cached_tokens", 0))
+        return self._inner.cached_tokens if isinstance(self._inner, CachingSession) else 0
 
     @property
     def prefilled_tokens(self) -> int:
         """Tokens the member prefilled for this request (0 where it does not count them)."""
-        return int(getattr(self._inner, "prefilled_tokens", 0))
+        return self._inner.prefilled_tokens if isinstance(self._inner, CachingSession) else 0
 
     def draft(
         self,

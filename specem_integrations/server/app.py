@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from specem_core.backends.base import BatchingMember
 from specem_core.engine import SpecEM
 from specem_core.errors import AllMembersFailedError, ConfigError, ContextWindowError, InputError, SpecEMError
 from specem_core.types import GenerationResult, StreamEvent
@@ -429,7 +430,7 @@ class _Server:
         passes (rollbacks, multi-token feeds); device seconds in each kind."""
         out: dict[str, dict[str, Any]] = {}
         for member in self.engine.members:
-            stats = getattr(member, "batch_stats", None)
+            stats = member.batch_stats if isinstance(member, BatchingMember) else None
             if stats is not None and f"torch:{stats.device}" not in out:
                 out[f"torch:{stats.device}"] = {
                     "passes": stats.passes,

@@ -18,7 +18,7 @@ import pytest
 from serve_process import ServeProcess, openai_error, start_serve
 
 from specem_core import SpecEMConfig
-from specem_core.presets import get_preset
+from specem_core.presets import PRESETS, get_preset
 from specem_integrations.server._errors import APIError
 from specem_integrations.server._protocol import build_call, parse_request
 
@@ -38,9 +38,20 @@ def test_a_preset_whose_members_are_the_servers_sets_its_fields() -> None:
     assert all(call.params[k] == "specem.preset" for k in expected)
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_per_request_preset_applies_every_setting_the_preset_has(name: str) -> None:
+    """Nothing a preset sets is dropped on the way (the request fields are derived from the
+    config): ``quality``'s ``trusted_tool_calls`` was, while they were a hand-kept list."""
+    preset = get_preset(name)
+    call = _call({"preset": name}, list(preset.members))
+    assert {k: call.overrides.get(k) for k in preset.config} == dict(preset.config)
+    config = SpecEMConfig().replace(**call.overrides)
+    assert all(getattr(config, k) == v for k, v in preset.config.items())
+
+
 def test_explicit_fields_override_the_presets() -> None:
-    call = _call({"preset": "fast", "exit_temperature": 0.7, "model_exit": False}, FAST)
-    assert call.overrides["exit_temperature"] == 0.7
+    call = _call({"preset": "fast", "model_exit_temperature": 0.7, "model_exit": False}, FAST)
+    assert call.overrides["model_exit_temperature"] == 0.7
     assert call.overrides["model_exit"] is False
     assert call.overrides["normalization"] == get_preset("fast").config["normalization"]
 

@@ -86,13 +86,18 @@ class LlamaCppMember(LocalVocabulary):
     @property
     def draft_cost(self) -> int:
         """Relative cost of a drafted token: the GGUF's size (the engine lets cheaper members draft
-        first, so that costlier ones can reuse their tokens; ``SpecEMConfig.draft_hints``)."""
+        first, so that costlier ones can reuse their tokens; ``SpecEMConfig.reuse_other_drafts``)."""
         return self.model.info.file_size  # read once, when the model was validated
 
     @property
     def concurrency_key(self) -> str:
         """All llama.cpp members of a process share its CPUs: within a request they run one after another."""
         return "llamacpp:cpu"
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait (at most ``timeout`` seconds) for the background prefix-cache copies to end
+        (``SettlingMember``: a process should not exit while one runs inside llama.cpp)."""
+        self.model.settle(timeout)
 
     def open(self, request: SessionRequest) -> LlamaCppSession:
         """Render and encode the prompt; the prefill waits for the first draft or score."""

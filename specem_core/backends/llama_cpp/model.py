@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specem_core.backends._local import (
+from specem_core.backends._prefix_cache import (
     DEFAULT_PREFIX_CACHE_TOKENS,
     MIN_SHARED_FRACTION,
     PrefixStore,
@@ -72,7 +72,7 @@ class LlamaCppModel:
         prefix_cache_tokens: the budget of the prefix cache, in tokens: each idle context that
             keeps rows is charged its ``n_ctx`` cells (past the budget the least recently used is
             freed), and the host-memory copies of long prefixes may hold as many tokens again
-            (default :data:`~specem_core.backends._local.DEFAULT_PREFIX_CACHE_TOKENS`: two idle
+            (default :data:`~specem_core.backends._prefix_cache.DEFAULT_PREFIX_CACHE_TOKENS`: two idle
             contexts of 8,192 cells).
 
     Raises:
@@ -177,7 +177,7 @@ class LlamaCppModel:
         the context already holds (sequence 0, positions ``[0, reused)``; rows past them dropped).
 
         With the prefix cache on: the idle context sharing the longest prefix with ``prompt`` when
-        it covers at least :data:`~specem_core.backends._local.MIN_SHARED_FRACTION` of it, else an
+        it covers at least :data:`~specem_core.backends._prefix_cache.MIN_SHARED_FRACTION` of it, else an
         empty one (pooled or new), else the best partial match or the least recently used cached
         context, cleared; when every context is busy, the next one released.
         """

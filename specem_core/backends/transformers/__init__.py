@@ -1,8 +1,8 @@
 """Local transformers members (CPU or GPU), with one reused KV cache per request.
 
 One package, a module per concern: :mod:`.member` (loading, chat format, tokenizer helpers),
-:mod:`.session` (one request's KV state, the prefix cache, and the forward passes concurrent
-sessions share). What the transformers and llama.cpp backends share lives in
+:mod:`.session` (one request's KV state and the prefix cache), :mod:`.batched` (the forward
+passes concurrent sessions share). What the transformers and llama.cpp backends share lives in
 :mod:`specem_core.backends._local`.
 """
 

@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specem_core.backends._local import DEFAULT_PREFIX_CACHE_TOKENS, LocalVocabulary, PrefixStore
+from specem_core.backends._local import LocalVocabulary
+from specem_core.backends._prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, PrefixStore
 from specem_core.backends.base import SessionRequest
-from specem_core.backends.transformers.session import BatchedPasses, TransformersSession
+from specem_core.backends.transformers.batched import BatchedPasses
+from specem_core.backends.transformers.session import TransformersSession
 from specem_core.chat_format import ChatFormat
 from specem_core.errors import ModelNotFoundError
 from specem_core.gguf import validate_gguf
@@ -39,7 +41,7 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
             prompt or RAG context) prefills only what is new. Entries are read-only and shared by
             every session that matches them.
         prefix_cache_tokens: most tokens kept in all; past it the least recently used prefixes are
-            dropped (default :data:`~specem_core.backends._local.DEFAULT_PREFIX_CACHE_TOKENS`).
+            dropped (default :data:`~specem_core.backends._prefix_cache.DEFAULT_PREFIX_CACHE_TOKENS`).
     """
 
     def __init__(

@@ -13,8 +13,8 @@
 * Only the positions that are scored go through the LM head.
 * Concurrent requests share the device: their forward passes run one at a time, and the one-token
   decode steps that several sessions of one model wait on are merged into one padded pass
-  (:class:`BatchedPasses`, the member's side, with :mod:`specem_core.backends._batching`'s queue;
-  ``request_batch_size=1`` turns this off).
+  (the member's side: :mod:`specem_core.backends.transformers.batched`; ``request_batch_size=1``
+  turns this off).
 
 Text is the source of truth: the committed response ``R`` is re-encoded as a whole
 (``enc(R + candidate)``) and compared with the cached ids, and the cache is rolled back to the
@@ -29,10 +29,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from specem_core.backends._batching import BatchStats, DeviceQueue, Step, device_queue
 from specem_core.backends._local import LocalSession, consistent
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.errors import ConfigError
+from specem_core.backends.transformers.batched import Block, ScoreJob
 from specem_core.types import Candidate, CandidateScore, Draft
 
 if TYPE_CHECKING:
@@ -82,6 +81,21 @@ class TransformersSession(LocalSession):
         """Next-token logits after the cached committed prefix (``None`` until prefilled)."""
         self._prefilled = False
 
+    # -- what merged passes need of this session (batched.BatchSession) --------------------
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids."""
+        return self._prompt_ids
+
+    @property
+    def kv(self) -> Any:
+        """The ``DynamicCache`` of the committed prefix (and this round's draft rows)."""
+        return self._cache
+
+    def set_length(self, n: int) -> None:
+        """Crop the cache to ``n`` positions (a view; no copy)."""
+        self._set_length(n)
+
     # -- protocol ---------------------------------------------------------------------------
     def _draft_plain(
         self, max_tokens: int, sampling: SamplingParams, hints: Sequence[Candidate], score_eos: bool
@@ -97,7 +111,7 @@ class TransformersSession(LocalSession):
         ids: list[int] = []
         scores: list[tuple[float, float]] = []
         eos_score: tuple[float, float] | None = None
-        queue = self._m._queue()
+        queue = self._m.queue()
         drafting = queue.drafting((id(self._m.model), "decode")) if queue is not None else nullcontext()
         with torch.inference_mode(), drafting:
             while True:
@@ -178,13 +192,13 @@ class TransformersSession(LocalSession):
         if self._prefilled:
             return
         reused = self._load_prefix() if self._m.prefix_cache else 0
-        queue = self._m._queue()
+        queue = self._m.queue()
         if reused:
             self._next_logits = self._feed(self._prompt_ids[reused:])
         elif queue is None or len(self._prompt_ids) < 2:
             self._next_logits = self._feed(self._prompt_ids)
         else:  # requests arriving together prefill together
-            self._next_logits = self._m._submit(queue, "prefill", self, self._m._prefill_steps)
+            self._next_logits = self._m.submit(queue, "prefill", self, self._m.prefill_steps)
         self.cached_tokens = reused
         self.prefilled_tokens += len(self._prompt_ids) - reused + len(self._resp_ids)
         self._prefilled = True
@@ -227,22 +241,22 @@ class TransformersSession(LocalSession):
         Through the device queue when batching is on: a one-token step may share its pass with
         other sessions' steps, anything else waits for the device.
         """
-        queue = self._m._queue()
+        queue = self._m.queue()
         if queue is None:
-            return self._forward(ids)
-        if len(ids) == 1 and self._cache_len() > 0:
-            return self._m._submit(queue, "decode", (self, ids[0]), self._m._decode_rows)
-        return queue.exclusive(lambda: self._forward(ids))
+            return self.forward(ids)
+        if len(ids) == 1 and self.kv_length() > 0:
+            return self._m.submit(queue, "decode", (self, ids[0]), self._m.decode_rows)
+        return queue.exclusive(lambda: self.forward(ids))
 
-    def _batchable(self) -> bool:
+    def batchable(self) -> bool:
         """Whether this session's cache can be stacked with others' (one row, every layer filled)."""
         layers = self._cache.layers
         return bool(layers) and all(
             getattr(layer, "is_initialized", False) and layer.keys.shape[0] == 1 for layer in layers
         )
 
-    def _forward(self, ids: Sequence[int]) -> Any:
-        """The unqueued pass of :meth:`_feed`."""
+    def forward(self, ids: Sequence[int]) -> Any:
+        """The unqueued pass of :meth:`_feed` (this session's own, unmerged)."""
         torch = self._torch
         with torch.inference_mode():
             input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self._m.device)
@@ -251,7 +265,7 @@ class TransformersSession(LocalSession):
             return out.logits[0, -1].float()
 
     def _cache_length(self) -> int:
-        return self._cache_len() if self._cache is not None and self._cache.layers else 0
+        return self.kv_length() if self._cache is not None and self._cache.layers else 0
 
     def _committed_head(self) -> Any:
         return self._next_logits
@@ -271,7 +285,8 @@ class TransformersSession(LocalSession):
     def _has_newline(self, token: int) -> bool:
         return "\n" in self._m.tokenizer.decode([token])
 
-    def _cache_len(self) -> int:
+    def kv_length(self) -> int:
+        """Positions held by the cache."""
         layer = self._cache.layers[0]
         return int(layer.keys.shape[-2]) if getattr(layer, "is_initialized", False) else 0
 
@@ -286,7 +301,7 @@ class TransformersSession(LocalSession):
         """Drop leftover draft positions; make sure next-token logits are known."""
         self._ensure_prefilled()
         n = self._committed_len()
-        if self._cache_len() > n or self._next_logits is None:
+        if self.kv_length() > n or self._next_logits is None:
             self._set_length(n - 1)
             self._next_logits = self._feed([(self._prompt_ids + self._resp_ids)[n - 1]])
 
@@ -346,11 +361,11 @@ class TransformersSession(LocalSession):
             seqs.append(seq + ([self._m.eot_id] if with_eos else []))
         first_scored = min(prompt_len + lcp - base for _, _, _, lcp, _ in pending)
         job = ScoreJob(self, base, seqs, first_scored)
-        queue = self._m._queue()
+        queue = self._m.queue()
         if queue is None:
-            block = self._m._score_blocks([job])[0]
+            block = self._m.score_blocks([job])[0]
         else:
-            block = self._m._submit(queue, "score", job, self._m._score_steps)
+            block = self._m.submit(queue, "score", job, self._m.score_steps)
         self._finish_score(pending, job, block, out)
 
     def _finish_score(
@@ -379,256 +394,3 @@ class TransformersSession(LocalSession):
                 next_logits = logits[b, text_end - 1 - block.offset].clone()
                 score_pass.rows[text] = _Row(b, full, job.base + text_end, next_logits)
         self._pass = score_pass
-
-
-PREFILL_TOKENS = 8192
-"""At most this many (padded) prompt tokens in one merged prefill pass (bounds its memory)."""
-
-
-@dataclass
-class ScoreJob:
-    """One session's verification block: candidate rows on its committed prefix cut at ``base``."""
-
-    session: TransformersSession
-    base: int
-    seqs: list[list[int]]
-    """Per candidate: the tokens fed after ``base`` (the re-read prefix tail, the candidate, EOS)."""
-    first_scored: int
-    """The first row position whose token is scored (its logits come from the position before)."""
-
-    @property
-    def width(self) -> int:
-        return max(len(s) for s in self.seqs)
-
-
-@dataclass
-class Block:
-    """A verification block's result: logits of row positions ``offset`` .. and the rows' KV."""
-
-    logits: Any
-    layers: list[tuple[Any, Any]]
-    pad: int
-    offset: int
-
-
-class BatchedPasses:
-    """The member's side of cross-request batching (mixed into :class:`TransformersMember`)."""
-
-    model: Any
-    pad_id: int
-    device: Any
-    cache_arg: str
-    _request_batch_size: int
-
-    @property
-    def request_batch_size(self) -> int:
-        """At most this many concurrent requests' one-token decode steps share a forward pass.
-
-        With more than 1 (default 16), every forward pass of a member on this device goes through
-        one queue: passes run one at a time, and the decode steps that sessions drafting at the
-        same time wait on are merged into one left-padded batch (each row keeps its own positions
-        and mask). A lone request takes the unbatched path, so its numerics do not change; merged
-        rows agree with it up to floating-point rounding. 1 restores the unqueued behaviour
-        (concurrent requests run their passes side by side).
-        """
-        return self._request_batch_size
-
-    @request_batch_size.setter
-    def request_batch_size(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"request_batch_size must be an integer >= 1, got {value!r}")
-        self._request_batch_size = value
-
-    @property
-    def batch_stats(self) -> BatchStats | None:
-        """What the device queue did so far (shared by the members on this device), or ``None``
-        when batching is off."""
-        queue = self._queue()
-        return queue.stats if queue is not None else None
-
-    def _queue(self) -> DeviceQueue | None:
-        return device_queue(str(self.device)) if self._request_batch_size > 1 else None
-
-    def _submit(self, queue: DeviceQueue, kind: str, payload: Any, run: Any) -> Any:
-        """Wait for ``payload``'s turn in a merged pass of this model's ``kind`` steps."""
-        return queue.step(Step((id(self.model), kind), payload, run, self._request_batch_size, kind=kind))
-
-    def _decode_rows(self, steps: Sequence[Step[tuple[TransformersSession, int]]]) -> list[Any]:
-        """One forward pass for several sessions' one-token steps; next-token logits per step.
-
-        Each session's cache is left-padded to the longest and stacked; the attention mask hides
-        the padding and ``position_ids`` keep each row's own positions, so a row computes what the
-        session would alone (up to rounding). The new KV row goes back to each session's cache.
-        """
-        torch = torch_module()
-        sessions = [s.payload[0] for s in steps]
-        if len(steps) == 1 or not all(s._batchable() for s in sessions):
-            return [sess._forward([step.payload[1]]) for sess, step in zip(sessions, steps, strict=True)]
-        lengths = [sess._cache_len() for sess in sessions]
-        width, rows = max(lengths), len(sessions)
-        with torch.inference_mode():
-            stacked = stack_prefixes([(sess._cache.layers, n, 1) for sess, n in zip(sessions, lengths, strict=True)])
-            mask = torch.zeros((rows, width + 1), dtype=torch.long, device=self.device)
-            for row, n in enumerate(lengths):
-                mask[row, width - n :] = 1
-            output = self.model(
-                input_ids=torch.tensor([[step.payload[1]] for step in steps], dtype=torch.long, device=self.device),
-                attention_mask=mask,
-                position_ids=torch.tensor([[n] for n in lengths], dtype=torch.long, device=self.device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_arg: stacked},
-            )
-            merged_layers: list[Any] = list(stacked.layers)
-            for row, sess in enumerate(sessions):
-                for layer, merged in zip(sess._cache.layers, merged_layers, strict=True):
-                    layer.keys = torch.cat([layer.keys, merged.keys[row : row + 1, :, -1:, :]], dim=-2)
-                    layer.values = torch.cat([layer.values, merged.values[row : row + 1, :, -1:, :]], dim=-2)
-            logits = output.logits[:, -1].float()
-            return [logits[row].clone() for row in range(rows)]
-
-    def _prefill_steps(self, steps: Sequence[Step[TransformersSession]]) -> list[Any]:
-        """Prompt prefills of several new sessions, right-padded into passes of at most
-        ``PREFILL_TOKENS`` padded tokens; next-token logits per session."""
-        sessions = [step.payload for step in steps]
-        order = sorted(range(len(sessions)), key=lambda i: len(sessions[i]._prompt_ids))
-        results: dict[int, Any] = {}
-        chunk: list[int] = []
-        for i in order:  # shortest first, so that a pass pads little
-            longest = len(sessions[i]._prompt_ids)
-            if chunk and longest * (len(chunk) + 1) > PREFILL_TOKENS:
-                results.update(zip(chunk, self._prefill_together([sessions[j] for j in chunk]), strict=True))
-                chunk = []
-            chunk.append(i)
-        results.update(zip(chunk, self._prefill_together([sessions[j] for j in chunk]), strict=True))
-        return [results[i] for i in range(len(sessions))]
-
-    def _prefill_together(self, sessions: Sequence[TransformersSession]) -> list[Any]:
-        """One pass over several prompts on empty caches (right-padded); each session keeps its rows."""
-        if len(sessions) == 1:
-            return [sessions[0]._forward(sessions[0]._prompt_ids)]
-        torch = torch_module()
-        from transformers import DynamicCache
-
-        lengths = [len(sess._prompt_ids) for sess in sessions]
-        width = max(lengths)
-        last = sorted({n - 1 for n in lengths})  # the positions whose logits are needed
-        with torch.inference_mode():
-            mask = torch.zeros((len(sessions), width), dtype=torch.long, device=self.device)
-            for row, n in enumerate(lengths):
-                mask[row, :n] = 1
-            ids = [sess._prompt_ids + [self.pad_id] * (width - n) for sess, n in zip(sessions, lengths, strict=True)]
-            cache = DynamicCache()
-            output = self.model(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=torch.tensor(last, dtype=torch.long, device=self.device),
-                **{self.cache_arg: cache},
-            )
-            logits = output.logits.float()
-            merged: list[Any] = list(cache.layers)
-            out = []
-            for row, (sess, n) in enumerate(zip(sessions, lengths, strict=True)):
-                for index, layer in enumerate(merged):  # a copy per session: the padded pass is freed
-                    keys, values = layer.keys[row : row + 1, :, :n, :], layer.values[row : row + 1, :, :n, :]
-                    sess._cache.update(keys, values, index)
-                out.append(logits[row, last.index(n - 1)].clone())
-            return out
-
-    def _score_steps(self, steps: Sequence[Step[ScoreJob]]) -> list[Block]:
-        return self._score_blocks([step.payload for step in steps])
-
-    def _score_blocks(self, jobs: Sequence[ScoreJob]) -> list[Block]:
-        """One forward pass for the verification blocks of one or more sessions.
-
-        Alone, a session's candidate rows share its cache (expanded, no copy). Several sessions'
-        rows are stacked like decode steps: each session's prefix left-padded to the longest and
-        copied into its rows, the candidates right-padded, positions per row.
-        """
-        torch = torch_module()
-        with torch.inference_mode():
-            if len(jobs) == 1 or not all(job.session._batchable() for job in jobs):
-                return [self._score_alone(job) for job in jobs]
-            width = max(job.width for job in jobs)
-            length = max(job.base for job in jobs)
-            offset = min(job.first_scored - 1 for job in jobs)
-            rows = sum(len(job.seqs) for job in jobs)
-            stacked = stack_prefixes([(job.session._cache.layers, job.base, len(job.seqs)) for job in jobs])
-            mask = torch.ones((rows, length + width), dtype=torch.long, device=self.device)
-            input_ids, positions = [], []
-            row = 0
-            for job in jobs:
-                for seq in job.seqs:
-                    mask[row, : length - job.base] = 0
-                    input_ids.append(seq + [self.pad_id] * (width - len(seq)))
-                    positions.append(list(range(job.base, job.base + width)))
-                    row += 1
-            output = self.model(
-                input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                attention_mask=mask,
-                position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
-                use_cache=True,
-                logits_to_keep=width - offset,
-                **{self.cache_arg: stacked},
-            )
-            logits = output.logits.float()
-            merged: list[Any] = [(layer.keys, layer.values) for layer in stacked.layers]
-            blocks, row = [], 0
-            for job in jobs:
-                n = len(job.seqs)
-                layers_of_job = [(k[row : row + n], v[row : row + n]) for k, v in merged]
-                blocks.append(Block(logits[row : row + n], layers_of_job, length - job.base, offset))
-                row += n
-            return blocks
-
-    def _score_alone(self, job: ScoreJob) -> Block:
-        """One session's block on its own cache, expanded to the candidates (the unbatched path)."""
-        torch = torch_module()
-        session = job.session
-        cache = session._cache
-        keep = job.width - (job.first_scored - 1)
-        snapshot = [(layer.keys, layer.values) for layer in cache.layers]
-        session._set_length(job.base)
-        batch = len(job.seqs)
-        if batch > 1:
-            for layer in cache.layers:
-                if getattr(layer, "is_initialized", False):
-                    layer.keys = layer.keys.expand(batch, -1, -1, -1)
-                    layer.values = layer.values.expand(batch, -1, -1, -1)
-        input_ids = torch.tensor(
-            [s + [self.pad_id] * (job.width - len(s)) for s in job.seqs], dtype=torch.long, device=self.device
-        )
-        try:
-            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **{self.cache_arg: cache})
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
-        finally:
-            for layer, (keys, values) in zip(cache.layers, snapshot, strict=True):
-                layer.keys, layer.values = keys, values
-        return Block(output.logits.float(), layers, 0, job.width - keep)
-
-
-def torch_module() -> Any:
-    import torch
-
-    return torch
-
-
-def stack_prefixes(parts: Sequence[tuple[Any, int, int]]) -> Any:
-    """A ``DynamicCache`` holding, per part ``(cache layers, length, rows)``, ``rows`` copies of the
-    first ``length`` cached positions, left-padded with zeros to the longest part."""
-    from transformers import DynamicCache
-
-    longest = max(length for _, length, _ in parts)
-    total = sum(rows for _, _, rows in parts)
-    stacked = DynamicCache()
-    for index, layers in enumerate(zip(*(layers for layers, _, _ in parts), strict=True)):
-        keys = layers[0].keys.new_zeros((total, layers[0].keys.shape[1], longest, layers[0].keys.shape[3]))
-        values = layers[0].values.new_zeros((total, layers[0].values.shape[1], longest, layers[0].values.shape[3]))
-        row = 0
-        for layer, (_, length, rows) in zip(layers, parts, strict=True):
-            keys[row : row + rows, :, longest - length :, :] = layer.keys[:, :, :length, :]
-            values[row : row + rows, :, longest - length :, :] = layer.values[:, :, :length, :]
-            row += rows
-        stacked.update(keys, values, index)
-    return stacked
