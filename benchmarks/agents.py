@@ -294,7 +294,7 @@ _NEGATION = re.compile(
     r"\b(?:not|no|never|none|nor|neither|cannot|wrong|incorrect|false|instead of|rather than)\b|n['’]t\b",
     re.IGNORECASE,
 )
-_DENIAL_ONLY = re.compile(r"\W*(?:(?:no|nope|not|wrong|incorrect|false|really|quite)\W*)+", re.IGNORECASE)
+_DENIAL_ONLY = re.compile(r"\W*(?:(?:no|nope|not(?:\s+(?:really|quite))?|wrong|incorrect|false)\W*)+", re.IGNORECASE)
 _UNSURE = r"maybe|perhaps|possibly|probably|likely|might|guess|unsure|not sure|uncertain|either"
 _HEDGE_NUMBER = re.compile(rf"\b(?:{_UNSURE})\b", re.IGNORECASE)
 _HEDGE_WORD = re.compile(rf"\b(?:{_UNSURE}|or|between)\b", re.IGNORECASE)

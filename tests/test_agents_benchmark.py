@@ -49,6 +49,7 @@ FRANCE = "What is the capital of France?"
         (84, "No, it is not 84.", TIMES),
         (84, "No, 84 is wrong.", TIMES),
         (84, "84? No.", TIMES),
+        (84, "84? Not really.", TIMES),
         (84, "Is it 84? No, 85.", TIMES),
         (7, "A week doesn't have 7 days.", "How many days are in a week?"),
         ("Norland", "Quenby is not in Norland.", QUENBY),  # issue #63
@@ -153,6 +154,7 @@ def test_grade_rejects_an_answer_that_offers_another_value(answer: float, text: 
         # a denied other value, and a denial before the answer
         (84, "It is 84, not 85.", TIMES),
         (84, "Is it 85? No, 84.", TIMES),
+        (84, "It is 84. Really.", TIMES),
         ("Norland", "Quenby is not in Estria but in Norland.", QUENBY),
     ],
 )
