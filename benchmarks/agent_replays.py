@@ -3,6 +3,7 @@
     python benchmarks/agent_replays.py                    # the default preset, as the issue ran it
     python benchmarks/agent_replays.py --members qwen2.5-coder-1.5b --out /tmp/one.json
     python benchmarks/agent_replays.py --smoke            # seconds: SmolLM2 alone, 16 tokens
+    python benchmarks/agent_replays.py --regrade --out benchmarks/results/agent_replays.json  # no models
 
 Each replay is what a new user tried on ``b687d1e`` with the default preset, and what went wrong
 then (``before``, quoted from the issue and from the first LlamaIndex replays of
@@ -67,6 +68,27 @@ FUNCTION_AGENT_REPLAYS = [
         "one call, then 425",
     ),
 ]
+
+
+REPLAY_ANSWERS: dict[str, Any] = {
+    "chat-repeat": 84,
+    "react-agent": 84,
+    "create-agent-two-steps": 89,
+    **{replay: answer for replay, _, _, _, answer, _ in FUNCTION_AGENT_REPLAYS},
+}
+"""The answer each replay's question expects (what ``--regrade`` grades the recorded finals against)."""
+
+
+def regrade(records: list[dict[str, Any]], name: str) -> list[str]:
+    """Grade the replays' recorded finals again with :func:`agents.grade` (no model work); returns a
+    line per record whose verdict moved."""
+    moved = []
+    for n, r in enumerate(records):
+        ok = grade(REPLAY_ANSWERS[r["replay"]], r["final"], r["question"])
+        if ok != r["ok"]:
+            moved.append(f"{name} record {n}: {r['replay']} {r['ok']} -> {ok}: {r['final']!r}")
+        r["ok"] = ok
+    return moved
 
 
 def add(a: int, b: int) -> int:
@@ -254,7 +276,20 @@ def main() -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 alone, 16 new tokens per call")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--regrade",
+        action="store_true",
+        help="grade --out's records again from their finals with agents.grade (no model runs); print the moved ones",
+    )
     args = parser.parse_args()
+    if args.regrade:
+        result = json.loads(args.out.read_text())
+        moved = regrade(result["records"], args.out.name)
+        result.setdefault("regraded", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_version()})
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(*moved, sep="\n")
+        print(f"regraded {args.out}: {len(moved)} records changed")
+        return
     if args.smoke:
         args.members = args.members or ["smollm2"]
         args.max_tokens = args.max_tokens or 16

@@ -6,12 +6,13 @@
     python benchmarks/agents.py --frameworks llamaindex --append  # another piece of the grid, same file
     python benchmarks/agents.py --only agents --shuffle 1 --out /tmp/o1.json  # the tasks in another order
     python benchmarks/agents.py --smoke                           # seconds: SmolLM2, 2 tasks, 1 BFCL case each
+    python benchmarks/agents.py --regrade --out FILE              # no models: grade FILE's records again
 
-Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (the
-expected number within 1%, or the expected word): one-step and multi-step arithmetic, unit
-conversions, look-ups in a small in-memory table of made-up cities, questions that need no tool, a
-tool that raises an error on its first call, and questions that need two different tools. Every
-task runs through
+Agent tasks (:data:`TASKS`, written here, 44 of them), graded by the final answer only (:func:`grade`:
+the expected number within 1%, or the expected word, stated and not denied, with no other candidate
+value beside it): one-step and multi-step arithmetic, unit conversions, look-ups in a small
+in-memory table of made-up cities, questions that need no tool, a tool that raises an error on its
+first call, and questions that need two different tools. Every task runs through
 
 * ``langgraph``: ``langchain.agents.create_agent`` (LangGraph underneath), ``recursion_limit``
   25 (LangGraph's old default; the new one is 10007);
@@ -281,8 +282,34 @@ def task_tools(task: dict[str, Any]) -> list[Callable[..., Any]]:
 
 
 # -- grading ---------------------------------------------------------------------------------------
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"(?:(?<![\w.)\]])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _RAW_CALL = re.compile(r'<tool_call>|[{\[]\s*"(?:name|arguments|function)"\s*:')
+_LIST_MARKER = re.compile(r"(?m)^[ \t]*(\d+)[.)][ \t]|\bstep\s+(\d+)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+_CLAUSE_END = re.compile(
+    r"[.!?;:](?=\s|$)|\n|,(?=\s)|\s[-–—]\s|(?=\b(?:but|however|although|though|whereas|yet|instead of|rather than)\b)",
+    re.IGNORECASE,
+)
+_NEGATION = re.compile(
+    r"\b(?:not|no|never|none|nor|neither|cannot|wrong|incorrect|false|instead of|rather than)\b|n['’]t\b",
+    re.IGNORECASE,
+)
+_DENIAL_ONLY = re.compile(r"\W*(?:(?:no|nope|not(?:\s+(?:really|quite))?|wrong|incorrect|false)\W*)+", re.IGNORECASE)
+_UNSURE = r"maybe|perhaps|possibly|probably|likely|might|guess|unsure|not sure|uncertain|either"
+_HEDGE_NUMBER = re.compile(rf"\b(?:{_UNSURE})\b", re.IGNORECASE)
+_HEDGE_WORD = re.compile(rf"\b(?:{_UNSURE}|or|between)\b", re.IGNORECASE)
+_OP_WORDS = r"plus|minus|times|multiplied\s+by|divided\s+by|add|adding|added|subtract|subtracting|subtracted"
+_OP_SYMBOLS = r"[-+−×*/÷]|\\times|\\div|\\cdot"
+_STEP_BEFORE = re.compile(
+    rf"(?:\b(?:{_OP_WORDS}|multiply|multiplying|divide|dividing|(?:sum|product|difference|quotient)\s+of)"
+    rf"|{_OP_SYMBOLS}|\bx|\badd(?:ing|ed)?\s+\S+\s+to|\bsubtract(?:ing|ed)?\s+\S+\s+from"
+    rf"|\b(?:sum|product|difference|quotient)\s+of\s+\S+\s+and)\s*\(?\s*$",
+    re.IGNORECASE,
+)
+_STEP_AFTER = re.compile(
+    rf"\s*\)?\s*[,;:]?\s*(?:and\s+)?(?:then\s+)?(?:(?:{_OP_WORDS})\b|(?:{_OP_SYMBOLS}|x)\s*\(?\s*-?\d)",
+    re.IGNORECASE,
+)
 
 
 def is_raw_call(text: str) -> bool:
@@ -290,37 +317,140 @@ def is_raw_call(text: str) -> bool:
     return bool(_RAW_CALL.search(text))
 
 
+def _number(token: str) -> float:
+    return float(token.replace(",", ""))
+
+
 def _numbers(text: str) -> list[float]:
-    values = []
-    for m in _NUMBER.findall(text):
-        try:
-            values.append(float(m.replace(",", "")))
-        except ValueError:
-            continue
-    return values
+    return [_number(m) for m in _NUMBER.findall(text)]
+
+
+def _spans(text: str, boundary: re.Pattern[str]) -> list[tuple[int, int]]:
+    """The (start, end) of the pieces of ``text`` between ``boundary``'s matches."""
+    spans, start = [], 0
+    for m in boundary.finditer(text):
+        if m.start() > start:
+            spans.append((start, m.start()))
+        start = max(start, m.end())
+    spans.append((start, len(text)))
+    return spans
+
+
+def _within(spans: list[tuple[int, int]], at: int) -> tuple[int, int]:
+    return next((s, e) for s, e in spans if s <= at < e or at == e == spans[-1][1])
+
+
+def _negated_spans(text: str) -> list[tuple[int, int]]:
+    """The clauses that deny what they hold: a clause with a negation, and a clause followed by one
+    that is only a denial ("84? No.")."""
+    clauses = [(s, e) for s, e in _spans(text, _CLAUSE_END) if text[s:e].strip()]
+    negated = []
+    for n, (s, e) in enumerate(clauses):
+        after = clauses[n + 1] if n + 1 < len(clauses) else None
+        denied_after = after is not None and _DENIAL_ONLY.fullmatch(text[after[0] : after[1]]) is not None
+        if _NEGATION.search(text[s:e]) or denied_after:
+            negated.append((s, e))
+    return negated
+
+
+def _in(spans: list[tuple[int, int]], at: int) -> bool:
+    return any(s <= at < e for s, e in spans)
+
+
+def _question_facts(question: str) -> list[float]:
+    """The numbers of the city-table rows of the cities the question names: true facts a look-up
+    answer may state beside the one asked for."""
+    asked = question.lower()
+    return [
+        float(value)
+        for city, row in CITIES.items()
+        if re.search(rf"\b{re.escape(city)}\b", asked)
+        for value in row.values()
+        if isinstance(value, int | float)
+    ]
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _close(value: float, answer: float) -> bool:
+    return math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01)
+
+
+def _grade_word(answer: str, text: str) -> bool:
+    mentions = [m.start() for m in re.finditer(rf"\b{re.escape(answer)}\b", text, re.IGNORECASE)]
+    if not mentions:
+        return False
+    negated, sentences = _negated_spans(text), _spans(text, _SENTENCE_END)
+    for at in mentions:
+        s, e = _within(sentences, at)
+        if _in(negated, at) or _HEDGE_WORD.search(text[s:e]):
+            return False
+    return True
 
 
 def grade(answer: float | str, text: str, question: str = "") -> bool:
-    """The expected word, or the expected number within 1% (or 0.01): the answer's last number,
-    or any of its numbers that does not restate the question's (each of the question's numbers
-    sets aside one equal number of the answer). So "100 minus 36, divided by 8 is 2.78" does not
-    pass for 8 on its operand 8, while "… divided by 8 is 8", "It is 8." and "5535 is 123 times
-    45" pass."""
+    """Whether ``text`` answers ``answer``: it states the expected value, denies nothing of it and
+    offers no other value as the answer.
+
+    A word answer: the word appears (whole word, any case), never in a negated clause ("Quenby is
+    not in Norland", "No city named 'Paris'", "Norland? No.") and never in a sentence that hedges
+    ("or", "either", "between", "maybe", "probably", …).
+
+    A number answer: every number of the text is accounted for, and the expected one (within 1%, or
+    0.01) is stated. Each number is one of
+
+    * the expected value: stated, unless it is an operand of a calculation the text writes out (next
+      to plus, minus, times, divided by, +, −, ×, /, …: "… divided by 8" states no 8); stated in a
+      negated clause ("Not 84; it is 85", "It isn't 84", "84? No.") or in a sentence that hedges
+      ("maybe", "probably", "either", …) fails the answer;
+    * a number of the question (its operands: "5535 is 123 times 45", "There are 11.3562 liters in
+      3 gallons");
+    * a fact of a city the question names (the city table: "The population of Dunmere is 15650, it
+      was founded in 1390");
+    * a step of a worked calculation: a number written as an operand of a further operation ("12
+      times 7 is 84, plus 5 is 89" and "84 + 5 = 89" state 89, with 84 a step);
+    * a number the text denies (in a negated clause: "It is 84, not 85");
+
+    any other number is another candidate, and fails the answer: "It is 83, 84 or 85", "84 or
+    maybe 85", "between 80 and 90, say 84", "It is 84. Actually, 85.", and a look-up answer that
+    misstates another fact ("a population of 98,000" for 9,800). "approximately" with the one
+    expected value is a rounding, not a hedge ("5 kg is approximately 11.0231 pounds"). List markers
+    ("1. Multiply 12 by 7") are not numbers of the answer.
+    """
     if isinstance(answer, str):
-        return answer.lower() in text.lower()
-    values = _numbers(text)
-    if not values:
-        return False
-    last = values[-1]
-    for asked in _numbers(question):
-        if asked in values:
-            values.remove(asked)
-    return any(math.isclose(value, answer, rel_tol=0.01, abs_tol=0.01) for value in [*values, last])
+        return _grade_word(answer, text)
+    markers = {m.start(1) if m.group(1) else m.start(2) for m in _LIST_MARKER.finditer(text)}
+    found = [(m.start(), m.end(), _number(m.group())) for m in _NUMBER.finditer(text) if m.start() not in markers]
+    operands, facts = _numbers(question), [f for f in _question_facts(question) if not _close(f, answer)]
+    negated, sentences = _negated_spans(text), _spans(text, _SENTENCE_END)
+
+    def is_step(start: int, end: int) -> bool:
+        return bool(_STEP_BEFORE.search(text[max(0, start - 40) : start]) or _STEP_AFTER.match(text, end))
+
+    steps = [v for s, e, v in found if not _close(v, answer) and is_step(s, e)]
+    stated = False
+    for s, e, v in found:
+        if _close(v, answer):
+            if is_step(s, e):
+                continue
+            sentence = _within(sentences, s)
+            if _in(negated, s) or _HEDGE_NUMBER.search(text[sentence[0] : sentence[1]]):
+                return False
+            stated = True
+        elif any(_same(v, known) for known in [*operands, *facts, *steps]) or _in(negated, s):
+            continue
+        else:
+            return False  # another candidate value
+    return stated
 
 
 def task_ok(task: dict[str, Any], out: dict[str, Any]) -> bool:
-    """A loop succeeded: its final answer is right, and it ended without an error or the limit."""
-    return grade(task["answer"], out["final"] or "", task["question"]) and not out["limit"] and not out["error"]
+    """A loop succeeded: its final answer is right, and it ended without an error or the limit (a
+    record without these fields, as an A/B replay's, ended without them)."""
+    right = grade(task["answer"], out["final"] or "", task["question"])
+    return right and not out.get("limit") and not out.get("error")
 
 
 def regrade(records: list[dict[str, Any]]) -> int:
@@ -333,6 +463,35 @@ def regrade(records: list[dict[str, Any]]) -> int:
         changed += ok != r["ok"]
         r["ok"] = ok
     return changed
+
+
+def summarize_wordings(records: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Right finals per row and answering wording, as "right/tasks" (``agents_answering_wording.json``)."""
+    groups: dict[str, dict[str, list[bool]]] = {}
+    for r in records:
+        groups.setdefault(r["row"], {}).setdefault(r["wording"], []).append(bool(r["ok"]))
+    return {row: {w: f"{sum(ok)}/{len(ok)}" for w, ok in sorted(wordings.items())} for row, wordings in groups.items()}
+
+
+def regrade_agents_file(result: dict[str, Any], name: str) -> list[str]:
+    """Grade a results file's agent records again (:func:`regrade`) and rewrite their summary: this
+    script's files (``agents.records``) or an A/B replay of its loop (``records`` with a
+    ``wording``); returns a line per record whose verdict moved."""
+    wordings = "agents" not in result
+    records = result.get("records", []) if wordings else result["agents"]["records"]
+    before = [r["ok"] for r in records]
+    regrade(records)
+    if wordings:
+        result["summary"] = summarize_wordings(records)
+    else:
+        result["agents"]["summary"] = summarize_tasks(records)
+    moved = []
+    for n, (was, r) in enumerate(zip(before, records, strict=True)):
+        if was != r["ok"]:
+            system = "on" if r.get("system") else "off"
+            cell = f"wording {r['wording']}" if wordings else f"{r['framework']}, system {system}"
+            moved.append(f"{name} record {n}: {r['task']} ({r['row']}, {cell}) {was} -> {r['ok']}: {r['final']!r}")
+    return moved
 
 
 # -- rows ------------------------------------------------------------------------------------------
@@ -987,19 +1146,23 @@ def main() -> None:
     parser.add_argument(
         "--regrade",
         action="store_true",
-        help="grade --out's agent records again from their final answers, and its BFCL records of the "
-        "categories --bfcl-dir holds from their calls, with this script's graders (no model runs); "
-        "rewrite the summaries",
+        help="grade --out's agent records again from their final answers (this script's files, or an A/B "
+        "replay's as agents_answering_wording.json), and its BFCL records of the categories --bfcl-dir holds "
+        "from their calls, with this script's graders (no model runs); rewrite the summaries and print the "
+        "agent records whose verdict moved",
     )
     args = parser.parse_args()
     if args.regrade:
         old = json.loads(args.out.read_text())
-        changed = regrade(old["agents"]["records"]) + regrade_bfcl(old["bfcl"]["records"], args.bfcl_dir)
-        old["agents"]["summary"] = summarize_tasks(old["agents"]["records"])
-        old["bfcl"]["summary"] = summarize_bfcl(old["bfcl"]["records"])
+        moved = regrade_agents_file(old, args.out.name)
+        changed = len(moved)
+        if "bfcl" in old:
+            changed += regrade_bfcl(old["bfcl"]["records"], args.bfcl_dir)
+            old["bfcl"]["summary"] = summarize_bfcl(old["bfcl"]["records"])
         old.setdefault("regraded", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "code": code_version()})
         args.out.write_text(json.dumps(old, indent=1, default=str) + "\n")
-        print(f"regraded {args.out}: {changed} records changed")
+        print(*moved, sep="\n")
+        print(f"regraded {args.out}: {changed} records changed ({len(moved)} agent records)")
         return
     if args.smoke:
         args.rows = ["one-smollm2", "peer-smollm2"]

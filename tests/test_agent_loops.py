@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from agent_scripts import OPS, TOOLS, Writer, bare_call, looping, stubborn
+from script_loader import load_script
 
 from specem_core import SessionRequest, SpecEM, SpecEMConfig, ToolCall
 from specem_core.tools import (
@@ -28,6 +29,8 @@ from specem_core.tools import (
     tool_rounds,
     visible_answer,
 )
+
+grade = load_script("benchmarks/agents.py", "agents_benchmark").grade
 
 
 def engine(*members: Writer) -> SpecEM:
@@ -219,13 +222,27 @@ def run_agent(eng: SpecEM, question: str, limit: int = 40) -> tuple[list[dict[st
     raise AssertionError("the loop did not end")
 
 
+TWO_STEPS = "What is 12 times 7, plus 5? Use the tools."
+
+
 def test_a_loop_of_new_calls_ends_in_words_within_the_round_limit() -> None:
-    messages, result = run_agent(engine(Writer("looper", looping)), "What is 12 times 7, plus 5? Use the tools.")
+    messages, result = run_agent(engine(Writer("looper", looping)), TWO_STEPS)
     assert tool_rounds(messages) == MAX_TOOL_ROUNDS  # before: it never ended (new calls each time)
     assert result.tool_calls == []
-    assert result.content.startswith("The result is ")
     assert "{" not in result.content
     assert [m["content"] for m in messages if m["role"] == "tool"][:2] == ["84", "89"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="#63, open: after add(84, 5) = 89 the member goes on with multiply(89, 5), add(445, 5), … "
+    "(new calls, which reapplies_last_call does not catch) until MAX_TOOL_ROUNDS, and the answer then "
+    "states the last result: 'The result is 11280.'",
+)
+def test_a_loop_of_new_calls_ends_with_the_right_answer() -> None:
+    _, result = run_agent(engine(Writer("looper", looping)), TWO_STEPS)
+    assert grade(89, result.content, TWO_STEPS), result.content  # the agents benchmark's grader
 
 
 def test_a_loop_that_repeats_a_call_ends_at_the_repeat() -> None:

@@ -14,6 +14,7 @@ there they fail.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -26,7 +27,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL = ROOT.parent / "shared" / "eval"
+EVAL = Path(__file__).resolve().parent / "data" / "eval"
+"""Every tenth HumanEval problem, committed (``tests/data/eval/README.md``): never ``../shared/eval``."""
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from quality_study import sandbox, tasks  # noqa: E402
@@ -410,14 +412,13 @@ def test_humaneval_prompt_and_stop_keep_the_answer_to_its_code() -> None:
 
 
 def test_canonical_solutions_pass_and_stubs_fail() -> None:
-    if not (EVAL / "humaneval.jsonl").is_file():
-        pytest.skip("../shared/eval/humaneval.jsonl is not beside this checkout")
-    rows = tasks.load_rows("humaneval", None) if tasks.EVAL_DIR == EVAL else []
-    if not rows:
-        pytest.skip("SPECEM_EVAL_DIR points elsewhere")
+    path = EVAL / "humaneval_every_tenth.jsonl"
+    assert path.is_file(), f"{path} is missing: the tests' HumanEval rows are committed there"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert [row["task_id"] for row in rows] == [f"HumanEval/{n}" for n in range(0, 164, 10)]
     # every tenth problem, as a fenced whole function and as a bare body (all 164 passed both ways
     # when the two-box grading was written: 328 gradings, 44 s); the prompt's stub alone fails
-    for row in rows[::10]:
+    for row in rows:
         fenced = f"```python\n{row['prompt']}{row['canonical_solution']}\n```"
         for reply in (fenced, row["canonical_solution"]):
             result = tasks.grade_humaneval(row, reply)

@@ -16,11 +16,13 @@ from agent_scripts import (  # type: ignore[import-not-found]
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
+from script_loader import load_script  # type: ignore[import-not-found]
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.tools import MAX_TOOL_ROUNDS
 from specem_integrations.langchain import ChatSpecEM
 
+grade = load_script("benchmarks/agents.py", "agents_benchmark").grade
 calls: list[tuple[str, int, int]] = []
 LIMIT_25 = RunnableConfig(recursion_limit=25)
 LIMIT_10 = RunnableConfig(recursion_limit=10)
@@ -77,17 +79,34 @@ def test_create_react_agent_ends_with_words_after_a_repeated_call() -> None:
     assert calls == [("multiply", 12, 7)]
 
 
+TWO_STEPS = "What is 12 times 7, plus 5? Use the tools."
+
+
 def test_create_agent_multi_step_loop_ends_within_the_round_limit() -> None:
     from langchain.agents import create_agent
 
     agent = create_agent(chat(looping), tools=[add, multiply])
-    out = agent.invoke({"messages": [("user", "What is 12 times 7, plus 5? Use the tools.")]}, LIMIT_25)
+    out = agent.invoke({"messages": [("user", TWO_STEPS)]}, LIMIT_25)
     final = out["messages"][-1]
     assert not final.tool_calls
-    assert str(final.content).startswith("The result is ")
     assert "{" not in str(final.content)
     assert calls[:2] == [("multiply", 12, 7), ("add", 84, 5)]
     assert len(calls) == MAX_TOOL_ROUNDS  # before: new calls until the recursion limit, then an error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="#63, open: after add(84, 5) = 89 the member goes on with multiply(89, 5), add(445, 5), … "
+    "(new calls, which reapplies_last_call does not catch) until MAX_TOOL_ROUNDS, and the answer then "
+    "states the last result: 'The result is 11280.'",
+)
+def test_create_agent_multi_step_loop_ends_with_the_right_answer() -> None:
+    from langchain.agents import create_agent
+
+    agent = create_agent(chat(looping), tools=[add, multiply])
+    final = agent.invoke({"messages": [("user", TWO_STEPS)]}, LIMIT_25)["messages"][-1]
+    assert grade(89, str(final.content), TWO_STEPS), final.content  # the agents benchmark's grader
 
 
 # -- streaming -----------------------------------------------------------------------------------
