@@ -25,7 +25,7 @@ WHEELS = Path(os.environ.get("SPECEM_WHEEL_CACHE", Path.home() / ".cache" / "spe
 
 MODES: dict[str, list[str]] = {
     "agent_replays.py": ["--smoke --out {tmp}/out.json"],
-    "agents.py": ["--smoke --out {tmp}/out.json"],
+    "agents.py": ["--smoke --bfcl-dir tests/data/bfcl --out {tmp}/out.json"],
     "bfcl_openings.py": [
         "--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --fit-question --out {tmp}/out.json"
     ],
