@@ -141,7 +141,7 @@ def main() -> int:
         print(f"wrote {dot_file}")
         if shutil.which("dot"):
             png = args.out.with_suffix(".png")
-            subprocess.run(["dot", "-Tpng", "-Gdpi=80", str(dot_file), "-o", str(png)], check=True)
+            subprocess.run(["dot", "-Tpng", "-Gdpi=56", str(dot_file), "-o", str(png)], check=True)
             print(f"wrote {png}")
     too_long = args.max_lines is not None and core[largest] > args.max_lines
     return 1 if found or too_long else 0

@@ -67,3 +67,19 @@ def test_a_core_module_importing_an_integration_breaks_the_contract(tmp_path: Pa
     # the copy was analysed (not the installed package), and the report names the import
     assert "specem_core.types -> specem_integrations.langchain" in out
     assert not (tmp_path / ".import_linter_cache").exists()
+
+
+def test_no_core_module_is_over_600_lines_and_the_collapsed_graph_has_no_circle() -> None:
+    """A module of ``specem_core`` holds one concern (#64: the loop, the facade, retries, the
+    trusted member's rules each in their own); past 600 lines it is holding several again.
+    ``scripts/import_graph.py`` says which, and draws the graph."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--max-lines", "600"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " 0 circles" in done.stdout
