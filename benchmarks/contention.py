@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,10 +53,20 @@ Runner = Callable[[int, float], dict[str, Any]]
 ``time.perf_counter`` value) -> ``{"tokens", "seconds", "stopped"}``."""
 
 
+def _die_with_parent() -> None:
+    """In a hog, before it runs: killed when this script dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: busy_cores' finally still kills them
+        pass
+
+
 @contextmanager
 def busy_cores(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``count`` processes spinning on the CPU while the block runs (killed at its end, whatever happens)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(count)]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=_die_with_parent) for _ in range(count)]
     try:
         if hogs:
             time.sleep(0.5)  # let them reach the CPU (and a load measurement window pass)
@@ -168,6 +179,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="4 tokens, one run, idle and all cores busy")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run busy_cores' cleanup on a plain kill too
     from specem_core.backends.llama_cpp import default_threads
 
     cores = default_threads()
