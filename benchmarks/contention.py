@@ -128,6 +128,7 @@ def specem_runner(engine: Any, messages: list[dict[str, str]]) -> Runner:
         seconds = time.perf_counter() - start
         if produced is None:  # stopped early: count what was committed
             produced = len(first.encode_response("".join(text)))
+            stopped = produced < tokens
         threads = {
             m.name: {
                 str(n): count - was.get(n, 0)
@@ -174,7 +175,7 @@ def main() -> None:
     parser.add_argument(
         "--busy", type=int, nargs="+", default=None, help="cores kept busy per level (default: 0, 1 and all)"
     )
-    parser.add_argument("--cell-seconds", type=float, default=120.0, help="a run stops after this many seconds")
+    parser.add_argument("--cell-seconds", type=float, default=60.0, help="a run stops after this many seconds")
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="4 tokens, one run, idle and all cores busy")
     parser.add_argument("--out", type=Path, default=RESULTS)
