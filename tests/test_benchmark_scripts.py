@@ -29,6 +29,7 @@ MODES: dict[str, list[str]] = {
     "bfcl_openings.py": [
         "--members smollm2 --bfcl irrelevance --bfcl-limit 1 --score --fit-question --out {tmp}/out.json"
     ],
+    "contention.py": ["--smoke --before --out {tmp}/out.json"],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
     "gpu_check.py": ["--help"],
     "http_prefix.py": ["--context-lines 2 --max-tokens 4 --out {tmp}/out.json"],  # needs vLLM

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +46,11 @@ class LoadedModel(Protocol):
     flash_attn_type: int
     n_vocab: int
     decode_calls: int
+    decodes_by_threads: dict[int, int]
+
+    def decode_threads(self) -> AbstractContextManager[int]:
+        """Threads for the decode the block runs (counted as running meanwhile)."""
+        ...
 
 
 class LlamaCppError(SpecEMError, RuntimeError):
@@ -119,6 +125,8 @@ class Context:
         if not ctx:
             raise LlamaCppError(f"{model.name}: llama.cpp could not create a context (n_ctx={model.n_ctx})")
         self._ctx = ctx
+        self.threads = model.n_threads
+        """Threads its decodes use now (``llama_set_n_threads`` before a decode that wants others)."""
         self._mem = lib.llama_get_memory(ctx)
         self._batch = lib.llama_batch_init(model.n_batch, 0, 1)
         self.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
@@ -184,7 +192,17 @@ class Context:
         self.free_scratch.append(seq)
 
     def decode(self, work: Work) -> Work:
-        """Run ``work`` (split into calls of at most ``n_batch`` tokens and ``MAX_OUTPUTS`` rows)."""
+        """Run ``work`` (split into calls of at most ``n_batch`` tokens and ``MAX_OUTPUTS`` rows) with
+        the threads the model chooses now (see :mod:`specem_core.backends.llama_cpp._threads`)."""
+        with self._model.decode_threads() as threads:
+            if threads != self.threads:
+                self._lib.llama_set_n_threads(self._ctx, threads, threads)
+                self.threads = threads
+            by_threads = self._model.decodes_by_threads
+            by_threads[threads] = by_threads.get(threads, 0) + 1
+            return self._decode(work)
+
+    def _decode(self, work: Work) -> Work:
         import numpy as np
 
         lib, model = self._lib, self._model

@@ -17,8 +17,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from specem_core.backends._prefix_cache import (
     DEFAULT_PREFIX_CACHE_TOKENS,
@@ -35,6 +36,7 @@ from specem_core.backends.llama_cpp._binding import (
     default_threads,
     load_library,
 )
+from specem_core.backends.llama_cpp._threads import free_cores
 from specem_core.errors import ConfigError, ModelNotFoundError
 
 KV_BUDGET_BYTES = 256 * 2**20
@@ -60,7 +62,12 @@ class LlamaCppModel:
             one round of candidates); at most the model's training context. Default: the training
             context capped by the per-context KV budget :data:`KV_BUDGET_BYTES` (see
             :func:`default_n_ctx`; 8192 for Qwen2.5-1.5B, 16384 for Qwen2.5-0.5B).
-        n_threads: CPU threads per decode (default: the CPUs available, at most 8).
+        n_threads: CPU threads per decode. ``"auto"`` (the default; ``None`` too): before each
+            decode, as many as the cores other processes leave free, shared with this process's
+            other decodes running at the time, between 1 and the CPUs available (at most 8), so
+            that a busy CPU slows decoding down in proportion instead of stalling llama.cpp's
+            spinning threads (see :mod:`specem_core.backends.llama_cpp._threads`; measured in
+            docs/reports/performance.md, "A busy CPU"). An int pins the count.
         n_batch: most tokens per ``llama_decode`` call (longer inputs are split).
         max_contexts: concurrent sessions (each holds one context; more wait for a free one).
         n_gpu_layers: layers offloaded to a GPU when llama-cpp-python was built with one.
@@ -84,7 +91,7 @@ class LlamaCppModel:
         path: str | os.PathLike[str],
         *,
         n_ctx: int | None = None,
-        n_threads: int | None = None,
+        n_threads: int | Literal["auto"] | None = "auto",
         n_batch: int = 512,
         max_contexts: int = 8,
         n_gpu_layers: int = 0,
@@ -97,6 +104,7 @@ class LlamaCppModel:
 
         self.path = Path(path).expanduser()
         self.info = validate_gguf(self.path)  # a clear error before llama.cpp sees a bad file
+        threads = thread_setting(n_threads)
         lib = load_library()
         self.lib = lib
         mparams = lib.llama_model_default_params()
@@ -113,7 +121,10 @@ class LlamaCppModel:
         if n_ctx is None:
             n_ctx = default_n_ctx(self.n_ctx_train, self.kv_bytes_per_token)
         self.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train else n_ctx
-        self.n_threads = n_threads or default_threads()
+        self.auto_threads, self.n_threads = threads
+        """``auto_threads``: the count follows the free cores, up to ``n_threads``; else it is ``n_threads``."""
+        if self.auto_threads:
+            free_cores().estimate()  # the first reading: the first decode then sees a window
         self.n_batch = n_batch
         if flash_attention is not None and not isinstance(flash_attention, bool):
             raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
@@ -145,6 +156,9 @@ class LlamaCppModel:
         self._closed = False
         self.decode_calls = 0
         """How many ``llama_decode`` calls ran, all contexts together (for tests and benchmarks)."""
+        self.decodes_by_threads: dict[int, int] = {}
+        """How many :meth:`Context.decode` calls (each one or more ``llama_decode``) ran with each
+        thread count (for benchmarks: what ``n_threads="auto"`` chose)."""
         self.chat_template: str | None = self._meta("tokenizer.chat_template")
         self.name = (self._meta("general.name") or self.path.stem).strip()
         self.architecture = self._meta("general.architecture") or ""
@@ -159,7 +173,15 @@ class LlamaCppModel:
         self.release_context(self.acquire_context())
 
     def __repr__(self) -> str:
-        return f"LlamaCppModel(path={str(self.path)!r}, n_ctx={self.n_ctx}, threads={self.n_threads})"
+        threads = f"'auto' (at most {self.n_threads})" if self.auto_threads else str(self.n_threads)
+        return f"LlamaCppModel(path={str(self.path)!r}, n_ctx={self.n_ctx}, threads={threads})"
+
+    def decode_threads(self) -> AbstractContextManager[int]:
+        """Threads for the decode the block runs: the pinned count, or what the free cores allow
+        (the decode counts as running meanwhile, for the decodes that start beside it)."""
+        if self.auto_threads:
+            return free_cores().decoding(self.n_threads)
+        return contextlib.nullcontext(self.n_threads)
 
     @property
     def contexts_in_use(self) -> int:
@@ -445,6 +467,20 @@ class LlamaCppModel:
     def __del__(self) -> None:  # pragma: no cover - depends on garbage collection
         with contextlib.suppress(Exception):
             self.close()
+
+
+def thread_setting(n_threads: object) -> tuple[bool, int]:
+    """``(auto, count)`` for a model's ``n_threads``: ``"auto"``/``None`` follow the free cores up
+    to :func:`~specem_core.backends.llama_cpp.default_threads`; a positive int is pinned.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if n_threads is None or n_threads == "auto":
+        return True, default_threads()
+    if isinstance(n_threads, int) and not isinstance(n_threads, bool) and n_threads >= 1:
+        return False, n_threads
+    raise ConfigError(f"n_threads must be 'auto' or a positive int, got {n_threads!r}")
 
 
 FTYPE_MOSTLY_Q4_1 = 3
