@@ -1,12 +1,16 @@
 """Quality study: each member alone vs SpecEM configurations, on the same prompts and budget.
 
-    python benchmarks/quality.py run ifeval --configs smollm2 qwen default --limit 120
+    python benchmarks/quality.py run ifeval --configs smollm2 qwen paper --limit 120
     python benchmarks/quality.py run arc --configs all --limit 200
     python benchmarks/quality.py run humaneval --configs 1.5b 0.5b quality pair-paper   # graded in a sandbox
     python benchmarks/quality.py report          # Markdown tables (+ plot when matplotlib is there)
     python benchmarks/quality.py analyze --against qwen   # per-prompt gains/losses, ties, vote margins
     python benchmarks/quality.py prior-replay arc trio-v6 --against 1.5b   # round 1 again under a fixed prior
-    python benchmarks/quality.py select --candidates 1.5b quality-open1 quality quality-veto   # out of fold
+    python benchmarks/quality.py select --candidates 1.5b quality-open1 quality-no-veto quality   # out of fold
+
+Configuration names are the keys of ``CONFIGS`` (``quality_study/configs.py``); the shipped presets run
+under their own names (``quality``, ``fast``, ``paper``: their settings come from ``specem_core.presets``),
+and no other configuration is named like a preset.
 
 Configurations run on different numbers of prompts are compared on the prompts they share (the
 first n of each data set, in its order); complete runs also get a full-set table.
@@ -175,7 +179,12 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run")
     r.add_argument("task", choices=sorted(TASKS))
-    r.add_argument("--configs", nargs="+", default=["smollm2", "qwen", "default"])
+    r.add_argument(
+        "--configs",
+        nargs="+",
+        default=["smollm2", "qwen", "paper"],
+        help="configuration names, or all (the presets: by their own names)",
+    )
     r.add_argument("--limit", type=int, default=None)
     r.add_argument("--seed", type=int, default=0)
     sub.add_parser("report")

@@ -66,8 +66,6 @@ class Preset:
     prior: str | None = None
     """Name of the member-weights prior shipped as package data (``data/priors/<prior>.json``);
     ``None``: no member weights (the paper's per-request rule)."""
-    study_name: str | None = None
-    """The configuration's name in the quality study's records, where it differs from ``name``."""
 
     def spec(self) -> SpecEMConfig:
         """The preset's :class:`SpecEMConfig` (validated)."""
@@ -142,7 +140,6 @@ PRESETS: dict[str, Preset] = {
             # missed calls on questions a tool was given for (below the 1.5B alone on simple and multiple)
             config={**_RECOMMENDED, "trusted_veto": True, "trusted_tool_calls": True},
             prior="quality",
-            study_name="quality-veto",
         ),
         Preset(
             name="fast",
@@ -158,7 +155,6 @@ PRESETS: dict[str, Preset] = {
             "per-request Hedge, no Model Exit): the first default; below its better member on IFEval dev at 64 "
             "tokens (22.5 against 25.8)",
             members=("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"),
-            study_name="default",
         ),
     )
 }

@@ -126,20 +126,21 @@ def test_switches_map_to_config_fields() -> None:
 
 def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
     from specem_core.presets import get_preset
-    from specem_integrations.cli import _config, _parser, _preset
+    from specem_integrations.cli import _parser, _resolve
 
-    args = _parser().parse_args(["chat", "hi"])
-    assert _preset(args) is get_preset("quality")  # no --model: the default preset
-    config = _config(args, _preset(args))
+    ensemble = _resolve(_parser().parse_args(["chat", "hi"]))
+    assert ensemble.preset is get_preset("quality")  # no --model: the default preset
+    config = ensemble.config
     assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (2, "softmax", True)
+    assert ensemble.weights is not None and set(ensemble.weights.prior) == set(get_preset("quality").members)
     args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
-    config = _config(args, _preset(args))
+    config = _resolve(args).config
     assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")
-    args = _parser().parse_args(["chat", "hi", "--model", "smollm2"])  # members of your own: no preset
-    assert _preset(args) is None
-    assert _config(args, None).normalization == "sum"
-    args = _parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"])
-    assert _preset(args) is get_preset("fast")
+    ensemble = _resolve(_parser().parse_args(["chat", "hi", "--model", "smollm2"]))  # members of your own
+    assert (ensemble.preset, ensemble.weights, ensemble.config.normalization) == (None, None, "sum")
+    ensemble = _resolve(_parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"]))
+    assert ensemble.preset is get_preset("fast")
+    assert ensemble.weights is None  # --model replaces the members: the preset's prior names others
 
 
 def test_presets_command_lists_every_preset(capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,11 +52,11 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
 
 
 def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) -> None:
-    quality.run("ifeval", ["smollm2", "default"], limit=None, seed=0)
+    quality.run("ifeval", ["smollm2", "paper"], limit=None, seed=0)
     quality.run("ifeval", ["seg5"], limit=2, seed=0)
-    path = quality.tasks.RESULTS / "ifeval" / "default.jsonl"
+    path = quality.tasks.RESULTS / "ifeval" / "paper.jsonl"
     first = path.read_text()
-    quality.run("ifeval", ["default"], limit=None, seed=0)  # nothing left to do: nothing appended
+    quality.run("ifeval", ["paper"], limit=None, seed=0)  # nothing left to do: nothing appended
     assert path.read_text() == first
     recs = [json.loads(line) for line in first.splitlines()]
     assert len(recs) == 3
@@ -72,25 +72,25 @@ def test_run_is_resumable_and_report_compares_on_shared_prompts(quality: Any) ->
     assert (quality.tasks.RESULTS / "summary.md").read_text().strip() == text.strip()
     assert (quality.tasks.RESULTS / "quality.png").stat().st_size > 1000
 
-    quality.run("arc", ["default"], limit=None, seed=0)
+    quality.run("arc", ["paper"], limit=None, seed=0)
     analysis = quality.analyze("qwen")
-    row = next(line for line in analysis.splitlines() if line.startswith("| arc | default |"))
+    row = next(line for line in analysis.splitlines() if line.startswith("| arc | paper |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "3"  # n: the prompts both answered
     assert cells[3] == "qwen"
     assert int(cells[6]) + int(cells[7]) <= 3
     assert 0.0 <= float(cells[8]) <= 1.0  # sign test p
     best = quality.analyze()  # against the best member alone on each task
-    assert "| arc | default | 3 |" in best
+    assert "| arc | paper | 3 |" in best
     assert (quality.tasks.RESULTS / "analysis_vs_qwen.md").exists()
     against_smol = quality.analyze("smollm2")
-    assert "| ifeval | default | 3 | smollm2 |" in against_smol
-    instr = next(line for line in against_smol.splitlines() if line.startswith("| ifeval (instr. loose) | default |"))
+    assert "| ifeval | paper | 3 | smollm2 |" in against_smol
+    instr = next(line for line in against_smol.splitlines() if line.startswith("| ifeval (instr. loose) | paper |"))
     cells = [c.strip() for c in instr.strip("|").split("|")]
     assert cells[2].endswith(" instr.")
     assert int(cells[2].split()[0]) >= 3  # every instruction of the 3 prompts, paired
     assert 0.0 <= float(cells[8]) <= 1.0
-    replay = quality.explain("ifeval", "default")
+    replay = quality.explain("ifeval", "paper")
     assert "ranks its own candidate first" in replay
     assert "| recorded |" in replay
     assert "Leave-self-out picks the paper vote's candidate in" in replay
@@ -119,8 +119,8 @@ def test_gsm8k_runs_score_the_last_number_and_keep_learned_weights(
 
 @needs_sandbox
 def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(quality: Any) -> None:
-    quality.run("humaneval", ["qwen", "default"], limit=2, seed=0)
-    recs = quality.records("humaneval", "default")
+    quality.run("humaneval", ["qwen", "paper"], limit=2, seed=0)
+    recs = quality.records("humaneval", "paper")
     assert [r["key"] for r in recs] == ["HumanEval/0", "HumanEval/1"]
     for r in recs:  # random tiny members write no working code: each graded, none passes
         assert r["passed"] is False
@@ -130,9 +130,9 @@ def test_humaneval_answers_are_graded_in_the_sandbox_as_they_are_recorded(qualit
     assert figures["pass_at_1"] == 0.0
     text = quality.report()
     assert "HumanEval (8 new tokens, graded in a sandbox): all 3 prompts" not in text  # only 2 of 3 ran
-    assert "| default | 2 | 0.0 |" in text
+    assert "| paper | 2 | 0.0 |" in text
     summary = json.loads((quality.tasks.RESULTS / "summary.json").read_text())
-    assert summary["humaneval"]["default"]["pass_at_1"] == 0.0
+    assert summary["humaneval"]["paper"]["pass_at_1"] == 0.0
 
 
 @needs_sandbox
@@ -184,16 +184,41 @@ def test_right_answers_count_as_right_and_wrong_ones_as_wrong(quality: Any, monk
 
 
 def test_cost_times_several_configurations_side_by_side_against_one_member(quality: Any) -> None:
-    text = quality.cost("gsm8k", ["default", "seg5"], "qwen", limit=2)
+    text = quality.cost("gsm8k", ["paper", "seg5"], "qwen", limit=2)
     assert len(text.splitlines()) == 2
-    for name in ("default", "seg5"):
+    for name in ("paper", "seg5"):
         out = json.loads((quality.tasks.RESULTS / "gsm8k" / f"cost_{name}_vs_qwen.json").read_text())
-        assert out["measured_with"] == ["qwen", "default", "seg5"]  # one run, alternating prompt by prompt
+        assert out["measured_with"] == ["qwen", "paper", "seg5"]  # one run, alternating prompt by prompt
         assert out["prompts"] == 2
         assert [set(row) for row in out["rows"]] == [{"key", "qwen", name}] * 2
         expected = sum(r[name]["seconds"] for r in out["rows"]) / sum(r["qwen"]["seconds"] for r in out["rows"])
         assert out["ratio_per_answer"] == pytest.approx(expected)
         assert f"{name} {out['seconds_per_answer'][name]:.1f} s/answer" in text
+
+
+def test_a_preset_name_in_the_study_is_that_preset_and_nothing_else(quality: Any) -> None:
+    """The study runs each shipped preset under the preset's own name, with the preset's members
+    and settings (taken from ``specem_core.presets``, not written out a second time), and no other
+    configuration may take a preset's name: a reader of a row named ``quality`` reads the preset
+    users run."""
+    from specem_core.presets import PRESETS
+
+    configs = quality.configs
+    for name, preset in PRESETS.items():
+        spec = configs.CONFIGS[name]
+        assert spec["preset"] == name
+        assert spec["config"] == dict(preset.config)
+        assert spec["members"] == [configs.ALONE_BY_NAME[m] for m in preset.members]
+    # the earlier rules of a preset name themselves apart (and say which preset they start from)
+    assert configs.CONFIGS["quality-no-veto"]["preset"] == "quality"
+    assert configs.CONFIGS["quality-no-veto"]["config"]["trusted_veto"] is False
+    assert "quality-veto" not in configs.CONFIGS
+    assert "default" not in configs.CONFIGS
+    with pytest.raises(RuntimeError, match="quality share a name with a preset"):
+        configs._with_presets({"quality": {"members": ["smollm2"], "config": {}}})
+    # the presets' measured results are read from the records under the preset's own name
+    assert configs._alone_configs(PRESETS["paper"]) == ["smollm2", "qwen"]
+    assert configs._alone_configs(PRESETS["quality"]) == ["1.5b", "0.5b"]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # members alone: a one-member engine is plain greedy decoding with the member's own template
     "smollm2": {"members": ["smollm2"], "config": {}},
     "qwen": {"members": ["qwen2.5-coder"], "config": {}},
-    "default": {"members": ["smollm2", "qwen2.5-coder"], "config": {}},
+    # (the first default pair, SmolLM2 + Qwen-0.5B under the library defaults, is the `paper` preset:
+    # it comes from presets.py below, under that name)
     "faithful": {"members": ["smollm2", "qwen2.5-coder"], "config": {"reproduce_paper": True}},
     "logprob": {"members": ["smollm2", "qwen2.5-coder"], "config": {"scoring": "mean_logprob"}},
     "softmax": {"members": ["smollm2", "qwen2.5-coder"], "config": {"normalization": "softmax"}},
@@ -122,22 +123,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "preset": "quality",
         "config": {"trusted_opening_rounds": 1, "trusted_veto": False},
     },
-    # the `quality` preset before issue 48 (two-segment opening, the vote alone decides): its records
-    # are `quality.jsonl`; the preset now adds the trusted veto (`quality-veto`)
-    "quality": {
+    # the `quality` preset before issue 48: two-segment opening, the vote alone decides (named
+    # `quality` until issue 64). The preset now adds the trusted veto, and the study runs it as
+    # `quality` itself (below; named `quality-veto` until issue 64): the 0.5B's candidate is committed
+    # only when the 1.5B itself scores it at least as high as its own draft, since on held-out GSM8K
+    # the 0.5B's wins right after the opening set the method of every lost answer read
+    "quality-no-veto": {
         "members": [Q15, Q05],
         "preset": "quality",
         "config": {"trusted_opening_rounds": 2, "trusted_veto": False},
     },
-    # issue 48: the `quality` preset (two-segment opening) where the 0.5B's candidate is committed only
-    # when the 1.5B itself scores it at least as high as its own draft (``trusted_veto``): on held-out
-    # GSM8K the 0.5B's wins right after the opening set the method of every lost answer read
-    "quality-veto": {
-        "members": [Q15, Q05],
-        "preset": "quality",
-        "config": {"trusted_opening_rounds": 2, "trusted_veto": True},
-    },
 }
+"""Configuration name -> members and settings. A name never belongs to a preset unless the
+configuration is that preset: the shipped presets are added under their own names from
+``specem_core.presets`` (``_preset_configs``), never written out here a second time."""
 
 
 def _preset_configs() -> dict[str, dict[str, Any]]:
@@ -148,8 +147,6 @@ def _preset_configs() -> dict[str, dict[str, Any]]:
 
     out = {}
     for name, preset in PRESETS.items():
-        if preset.study_name is not None:  # already a configuration of the study under that name
-            continue
         specs = [ALONE_BY_NAME.get(m, m) for m in preset.members]
         out[name] = {"members": specs, "config": dict(preset.config), "preset": name}
     return out
@@ -161,7 +158,22 @@ ALONE_BY_NAME = {
     "smollm2-135m-instruct": SMOL,
 }
 """Packaged model name -> the spec the study runs it under (llama.cpp)."""
-CONFIGS.update(_preset_configs())
+
+
+def _with_presets(configs: dict[str, dict[str, Any]]) -> None:
+    """Add the shipped presets to ``configs`` under their own names; a hand-written configuration
+    named like a preset would hide it (or be hidden), so that is an error."""
+    presets = _preset_configs()
+    clash = sorted(set(configs) & set(presets))
+    if clash:
+        raise RuntimeError(
+            f"study configuration(s) {', '.join(clash)} share a name with a preset: name them apart "
+            "(the preset itself comes from specem_core.presets)"
+        )
+    configs.update(presets)
+
+
+_with_presets(CONFIGS)
 
 
 CALIBRATION = {"gsm8k": ("ifeval", "prompt_level_strict"), "ifeval": ("gsm8k", "accuracy")}
@@ -213,7 +225,7 @@ PACKAGE_DATA = tasks.ROOT / "specem_core" / "data"
 
 def _alone_configs(preset: Any) -> list[str]:
     """The study's members-alone configurations of a preset's members."""
-    if preset.study_name == "default":  # the first default pair was run alone under these names
+    if preset.name == "paper":  # the first default pair (v1) was run alone under these names
         return ["smollm2", "qwen"]
     return [ALONE[ALONE_BY_NAME[m]] for m in preset.members]
 

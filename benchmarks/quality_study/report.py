@@ -182,10 +182,9 @@ def preset_results() -> str:
     table: dict[str, dict[str, Any]] = {}
     lines = []
     for name, preset in PRESETS.items():
-        study = preset.study_name or name
         out: dict[str, Any] = {}
         for task, metric in HEADLINE.items():
-            recs = records(task, study)
+            recs = records(task, name)
             n = len(recs)
             mine = first_rows(task, recs, n)
             if not n or len(mine) < n:  # no run, or not the first n prompts of the set
@@ -208,7 +207,7 @@ def preset_results() -> str:
                 "lost": lost,
                 "p": round(sign_test(gained, lost), 4),
             }
-            cost_file = tasks.RESULTS / task / f"cost_{study}_vs_{best}.json"
+            cost_file = tasks.RESULTS / task / f"cost_{name}_vs_{best}.json"
             if cost_file.exists():
                 timing = json.loads(cost_file.read_text())
                 entry["time_vs_best_member"] = round(timing["ratio_per_answer"], 3)
