@@ -111,8 +111,13 @@ def serve(site_dir: Path) -> Iterator[str]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            if not isinstance(sys.exc_info()[1], ConnectionError):  # a page closed mid-transfer
+                super().handle_error(request, client_address)
+
     handler = functools.partial(Quiet, directory=str(site_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
