@@ -118,9 +118,11 @@ class MemberScore:
     """One member's result on the calibration set."""
 
     member: str
+    """The member's name."""
     score: float
     """Mean grade in % (0–100)."""
     examples: int
+    """Examples graded (every example of the set, failures included)."""
     errors: int = 0
     """Examples the member failed to answer (graded 0)."""
     seconds: float = 0.0

@@ -32,7 +32,9 @@ class MemberError(SpecEMError, RuntimeError):
     def __init__(self, member: str, stage: str, message: str) -> None:
         super().__init__(f"member {member!r} failed while {stage}: {message}")
         self.member = member
+        """The failing member's name."""
         self.stage = stage
+        """What it was doing when it failed, as the message words it (``"scoring"``: "failed while scoring")."""
 
 
 class AllMembersFailedError(SpecEMError, RuntimeError):

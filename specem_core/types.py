@@ -121,9 +121,14 @@ class CandidateScore:
     """
 
     mean_logit: float | None = None
+    """Mean raw logit of the candidate's tokens under this verifier (token-level verifiers)."""
     mean_logprob: float | None = None
+    """Mean log-probability of the candidate's tokens under this verifier (token-level verifiers)."""
     n_tokens: int = 0
+    """How many of the verifier's own tokens the candidate took (the means are over these)."""
     probability: float | None = None
+    """The candidate's probability among the round's candidates as this verifier sees them (judges;
+    HTTP members scoring by log-probs fill it too)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,11 @@ class Draft:
     """What a member returns from :meth:`MemberSession.draft`."""
 
     text: str
+    """The drafted segment as text."""
     ended: bool
+    """The member ended its turn right after this text (EOS / end-of-turn token)."""
     tokens: int
+    """How many tokens the member generated for it."""
     reused: int = 0
     """Of ``tokens``, those taken from an earlier candidate's scored rows (no decode step of
     their own: speculative drafting on the round's hints)."""
@@ -151,6 +159,7 @@ class Segment:
     winner_index: int
     """Index of the winning candidate in ``candidates``."""
     candidates: list[Candidate]
+    """Every drafted segment of the round, in member order: the columns of the score matrices."""
     drafters: list[str]
     """Members that drafted this round (fewer than all once Model Exit removes some)."""
     verifiers: list[str]
@@ -180,6 +189,7 @@ class MemberUsage:
     """Token accounting of one member for one request."""
 
     member: str
+    """The member's name."""
     prompt_tokens: int = 0
     """Prompt tokens in this member's own tokenizer and chat format."""
     completion_tokens: int = 0
@@ -190,6 +200,7 @@ class MemberUsage:
     """Of ``drafted_tokens``, those that cost no decode step: this member's pick equalled an
     earlier candidate's token, whose scored row it continued from (``SpecEMConfig.reuse_other_drafts``)."""
     rounds_drafted: int = 0
+    """Rounds in which this member drafted a candidate (Model Exit and the trusted opening lower it)."""
     cached_tokens: int = 0
     """Prompt tokens read from this member's prefix cache instead of prefilled (local members:
     the longest prefix a finished request left; see the Performance report)."""
@@ -203,8 +214,11 @@ class Usage:
     """Token usage of a request; the headline counts are in the first member's tokens."""
 
     prompt_tokens: int
+    """Prompt tokens in the first member's tokenizer and chat format."""
     completion_tokens: int
+    """The committed answer in the first member's tokens."""
     per_member: list[MemberUsage]
+    """Every member's own counts, in member order."""
 
     @property
     def total_tokens(self) -> int:
@@ -231,10 +245,14 @@ class Exclusion:
     learned weights (stage ``gate``, round 0: ``MemberWeights.min_share``)."""
 
     member: str
+    """The member's name."""
     stage: str
     """``open``, ``draft``, ``score``, ``commit`` or ``gate``."""
     error: str
+    """What went wrong, in one line: the error's type and message (for ``gate``: its weight share
+    against ``min_share``)."""
     round: int
+    """The round in which it was dropped (0: while the request's sessions were opened)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +262,7 @@ class ToolCall:
     id: str
     """``call_<hex>``, unique per call."""
     name: str
+    """The name of the tool called (one of the tools given)."""
     arguments: dict[str, Any]
     """Arguments coerced with the tool's JSON schema (``"7"`` becomes ``7`` for an integer)."""
 
@@ -257,7 +276,9 @@ class InvalidToolCall:
     """A tool call the model started but that does not parse or does not fit the tool's schema."""
 
     id: str
+    """``call_<hex>``, unique per call."""
     name: str | None
+    """The tool name as the model wrote it (``None`` when none could be read)."""
     arguments: str | None
     """The raw argument text as the model wrote it."""
     error: str
@@ -273,16 +294,24 @@ class GenerationResult:
     """The answer of one request plus everything needed to see how it was made."""
 
     text: str
+    """The committed answer, as the members wrote it (tool-call markup included; see ``content``)."""
     finish_reason: FinishReason
+    """Why the answer ended: ``stop`` (end of turn or a stop string), ``length`` (``max_new_tokens``)
+    or ``tool_calls``."""
     usage: Usage
+    """Token counts: the headline ones in the first member's tokens, and every member's own."""
     segments: list[Segment]
+    """The trace of every round, in order (one committed segment each)."""
     members: list[str]
+    """The members' names, in tie-break order."""
     excluded: list[Exclusion] = field(default_factory=list)
+    """Members dropped from this request after failing, or kept out of it by the gate."""
     seconds: float = 0.0
     """Wall time of the whole request."""
     first_segment_seconds: float | None = None
     """Time from the request to the first committed segment."""
     config: dict[str, Any] = field(default_factory=dict)
+    """The configuration this request ran with (``SpecEMConfig`` fields, request overrides applied)."""
     content: str | None = None
     """The answer without tool-call markup (equal to ``text`` when no tools were given)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -351,6 +380,10 @@ class StreamEvent:
     """
 
     delta: str
+    """Text that became safe to show with this event (may be empty)."""
     segment: Segment | None
+    """The round just committed (``None`` on a last event that commits nothing new)."""
     done: bool = False
+    """This is the last event of the request."""
     result: GenerationResult | None = None
+    """The whole answer and its trace, on the last event only."""

@@ -85,6 +85,7 @@ class MemberWeights:
         min_share: float = 0.0,
     ) -> None:
         self.prior: dict[str, float] = {}
+        """The prior as given, per member name (before normalization)."""
         for name, value in (prior or {}).items():
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"member weight priors are keyed by member name; got {name!r}")
@@ -95,8 +96,11 @@ class MemberWeights:
             if not _finite(number) or number < 0:
                 raise ConfigError(f"{label} must be a finite number >= 0, got {number!r}")
         self.learning_rate = float(learning_rate)
+        """η0 of the Hedge across requests (0: the prior stays fixed)."""
         self.max_log_ratio = float(max_log_ratio)
+        """Bound on how far learning alone may move one member's log-weight from the mean."""
         self.min_share = _share(min_share)
+        """Weight share below which a member sits a request out (0: nobody)."""
         self.cumulative: dict[str, float] = {}
         """Sum over requests of each member's centred mean Hedge reward (R_m)."""
         self.requests = 0

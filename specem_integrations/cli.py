@@ -553,6 +553,9 @@ def _presets(args: argparse.Namespace, out: TextIO) -> int:
                         f"{oof['reference']} alone (+{f['gained']} / -{f['lost']}, p={f['sign_test_p']:.2f}, "
                         f"95% CI {f['ci95'][0]:+.1f} to {f['ci95'][1]:+.1f} points)\n"
                     )
+        if row["held_out"]:  # one line: a check on data this project never saw (presets.HELD_OUT)
+            out.write(f"    held out: {row['held_out']}\n")
+        if oof:
             out.write("    in sample (the setting's own records, on the data its choice saw):\n")
         for task, figures in row["results"].items():
             metric = next(iter(figures))

@@ -153,10 +153,24 @@ def test_presets_command_lists_every_preset(capsys: pytest.CaptureFixture[str]) 
         for figures in row["results"].values():
             assert {"n", "best_member"} <= set(figures)
     assert rows[0]["prior"]["examples"] == 320
+    assert "45 against 50" in rows[0]["held_out"]
+    assert rows[1]["held_out"] is None
     assert main(["presets"]) == 0
     text = capsys.readouterr().out
     assert "quality (default):" in text
+    # the default's check on data this project never saw, in one line beside its out-of-fold figures
+    assert sum(line.startswith("    held out: gsm8k test (n=100") for line in text.splitlines()) == 1
     assert "members: qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct" in text
+
+
+def test_the_cli_guide_shows_what_specem_presets_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/guides/cli.md pastes the output of ``specem presets``: it must be today's output."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "cli.md").read_text()
+    shown = guide.split("## `specem presets`\n\n```text\n", 1)[1].split("```\n", 1)[0]
+    assert main(["presets"]) == 0
+    assert shown == capsys.readouterr().out, "rerun `specem presets` and paste its output into docs/guides/cli.md"
 
 
 def test_chat_learns_weights_in_a_state_file(

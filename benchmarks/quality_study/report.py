@@ -123,8 +123,20 @@ def weights_table() -> str:
     return "### Verifier weights learned across requests\n\n" + "\n".join([head, "|---|---|---|---|---|---|", *lines])
 
 
+_PANEL_TITLES = {
+    "gsm8k": "GSM8K dev",
+    "gsm8k-subset": "GSM8K dev, the prompts every configuration ran",
+    "ifeval": "IFEval dev, prompt strict",
+    "arc": "ARC-Easy validation (held out)",
+    "humaneval": "HumanEval, pass@1",
+}
+
+
 def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
-    """Bar charts of the headline metric per configuration (skipped without matplotlib)."""
+    """The headline metric of every configuration, one panel per set stacked in a column (skipped
+    without matplotlib): horizontal bars labelled with their value, members alone in grey, the
+    shipped presets' configurations in orange, and a dashed line at the best member alone. Sized to
+    stay readable at the docs' content width (about 700 px)."""
     try:
         import matplotlib
 
@@ -132,21 +144,50 @@ def plot(figures: dict[str, dict[str, dict[str, float]]]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    from specem_core.presets import PRESETS
+
     panels = [(k, v) for k, v in figures.items() if v]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (task, figs) in zip(axes[0], panels, strict=True):
+    alone = {n for n, spec in configs.CONFIGS.items() if len(spec["members"]) == 1}
+    # the shipped presets' configurations (a preset's records may carry an older study name)
+    shipped = {getattr(p, "study_name", None) or p.name for p in PRESETS.values()}
+    colours = {"alone": "#9a9a9a", "shipped": "#e07b39", "study": "#3b6fb6"}
+    bar_in, panel_in, legend_in = 0.21, 0.75, 0.35  # inches per bar, per panel (title, axis), legend
+    heights = [len(figs) * bar_in + panel_in for _, figs in panels]
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(7.2, sum(heights) + legend_in),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    for ax, (task, figs) in zip(axes[:, 0], panels, strict=True):
         metric = HEADLINE.get(task.split("-")[0], "accuracy")  # gsm8k-subset: accuracy; humaneval: pass@1
         names = list(figs)
         values = [figs[n].get(metric, 0.0) for n in names]
-        colors = ["#999999" if n in ("smollm2", "qwen") else "#3b6fb6" for n in names]
-        ax.bar(names, values, color=colors)
+        kinds = ["alone" if n in alone else "shipped" if n in shipped else "study" for n in names]
+        colors = [colours[k] for k in kinds]
+        rows = range(len(names))
+        ax.barh(rows, values, color=colors, height=0.7)
+        ax.set_yticks(list(rows), names, fontsize=9)
+        ax.invert_yaxis()  # the study's order, top to bottom
+        for row, value in zip(rows, values, strict=True):
+            ax.text(value + 0.5, row, f"{value:.1f}", va="center", fontsize=8)
+        best = max((n for n in names if n in alone), key=lambda n: figs[n].get(metric, 0.0), default=None)
+        if best is not None:
+            ax.axvline(figs[best].get(metric, 0.0), color="#444444", linestyle="--", linewidth=0.8)
         n = int(next(iter(figs.values()))["n"])
-        ax.set_title(f"{task} (n={n}): {metric.replace('_', ' ')} %", fontsize=9)
-        ax.tick_params(axis="x", rotation=60, labelsize=8)
-    fig.tight_layout()
-    fig.savefig(tasks.RESULTS / "quality.png", dpi=110)
+        reference = f"; dashed: {best} alone" if best is not None else ""
+        ax.set_title(f"{_PANEL_TITLES.get(task, task)} (n = {n}), %{reference}", fontsize=10, loc="left")
+        ax.set_xlim(0, max(values) * 1.12 + 1)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.spines[["top", "right"]].set_visible(False)
+    labels = {"alone": "a member alone", "shipped": "a shipped preset's setting", "study": "a study configuration"}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in labels]
+    fig.legend(handles, list(labels.values()), loc="upper center", ncol=3, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_in / (sum(heights) + legend_in)))
+    fig.savefig(tasks.RESULTS / "quality.png", dpi=120)
     plt.close(fig)
 
 

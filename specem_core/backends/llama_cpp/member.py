@@ -41,9 +41,13 @@ class LlamaCppMember(LocalVocabulary):
         chat_template: str | None = None,
     ) -> None:
         self.model = model
+        """The loaded GGUF (weights shared by every member and request that use it)."""
         self.name = name or model.name
+        """Unique name in the ensemble: traces, weights and usage are keyed by it."""
         self.can_draft = can_draft
+        """This member proposes candidates."""
         self.can_verify = can_verify
+        """This member scores candidates."""
         template = chat_template or model.chat_template
         bos = model.token_text(model.bos_id) if model.bos_id >= 0 else ""
         eos = model.token_text(model.eos_id) if model.eos_id >= 0 else ""

@@ -58,18 +58,27 @@ class TransformersMember(BatchedPasses, LocalVocabulary):
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ) -> None:
         self.request_batch_size = request_batch_size
+        """At most this many concurrent requests' one-token decode steps share a forward pass (1: each
+        request runs its own passes); settable, validated when set."""
         self.prefix_cache = prefix_cache
+        """Finished requests leave their KV rows for later requests that share their prefix."""
         self.prefixes: PrefixStore[list[tuple[Any, Any]]] = PrefixStore(prefix_cache_tokens)
         """Finished requests' KV rows (per layer: keys, values), by the token ids they hold."""
         self.model = model.eval()
+        """The ``PreTrainedModel`` (in eval mode)."""
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
+        """Its tokenizer."""
         self.name = name or _default_name(model)
+        """Unique name in the ensemble: traces, weights and usage are keyed by it."""
         self.can_draft = can_draft
+        """This member proposes candidates."""
         self.can_verify = can_verify
+        """This member scores candidates."""
         self.chat = ChatFormat(tokenizer, chat_template)
         self.device = model.get_input_embeddings().weight.device
+        """The device holding the model's input embeddings (where prompts are sent)."""
         self.eot_id = self._find_end_of_turn()
         self.stop_ids = frozenset(self._collect_stop_ids())
         self.pad_id = self.eot_id
