@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import threading
 import time
@@ -378,7 +379,10 @@ class SpecEM:
                     close()  # release the members' sessions now, not at garbage collection
                 send(("end", None))
 
-        worker = threading.Thread(target=pump, name="specem-astream", daemon=True)
+        # the caller's context variables (a server's request id in its log lines) follow the loop
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(pump,), name="specem-astream", daemon=True
+        )
         self._workers.add(worker)
         worker.start()
         try:
@@ -488,7 +492,7 @@ class _Run:
     def _require_drafter(self) -> None:
         if not any(self.members[i].can_draft for i in self.sessions):
             reasons = "; ".join(f"{e.member} ({e.stage}): {e.error}" for e in self.excluded)
-            raise AllMembersFailedError(f"every drafting member failed: {reasons or 'no drafter left'}")
+            raise AllMembersFailedError(f"every drafting member failed: {reasons or 'no drafter left'}", self.excluded)
 
     # -- the loop ---------------------------------------------------------------------------
     def events(self) -> Iterator[StreamEvent]:
