@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py                                    # starts its own server (default pair)
     python benchmarks/serve_load.py --clients 1,2 --max-tokens 8 --model smollm2 --prompts 2 --disconnect 2
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --pid 12345 --api-key-env SPECEM_KEY
-    python benchmarks/serve_load.py --model smollm2 --model qwen2.5-coder --clients 8 --max-tokens 32 \
+    python benchmarks/serve_load.py --model smollm2 --model qwen2.5-coder --clients 8 --prompts 4 --max-tokens 32 \
         --disconnect 0 --metrics-dir benchmarks/results --out benchmarks/results/serve_load_metrics_8_clients.json
 
 Without ``--url`` it starts ``specem serve --port 0`` on loopback (``--model`` repeatable, default
@@ -28,8 +28,8 @@ Every request is greedy, streams, asks for ``stream_options.include_usage`` and,
    (``/proc/PID/status`` VmRSS) back to the baseline taken before, within ``--rss-tolerance-mib``.
 
 4. **Metrics** (``--metrics-dir DIR``): during each level ``GET /metrics`` is scraped every
-   ``--metrics-interval`` seconds; the scrape taken at the busiest moment (most requests running
-   plus queued) is written as ``DIR/metrics_scrape_N_clients.txt`` (Prometheus text, as served)
+   ``--metrics-interval`` seconds; the last scrape taken at the busiest moment (most requests
+   running plus queued) is written as ``DIR/metrics_scrape_N_clients.txt`` (Prometheus text, as served)
    and the one taken after the level as ``DIR/metrics_scrape_N_clients_after.txt``. The summary
    holds, per level, the series that moved and a cross-check: the server counted every client's
    request as completed, and its first member's completion tokens equal the tokens the clients
@@ -233,7 +233,7 @@ class MetricsWatch:
             text, samples = await self.scrape()
             self.scrapes += 1
             load = samples.get("specem_requests_running", 0.0) + samples.get("specem_requests_queued", 0.0)
-            if self.busiest is None or load > self.busiest[0]:
+            if self.busiest is None or load >= self.busiest[0]:  # the last scrape at the peak: the most observed
                 self.busiest = (load, time.perf_counter() - self._start, text)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.args.metrics_interval)
@@ -518,6 +518,7 @@ def main() -> None:
         if server is not None:
             server.cleanup()
     out = {
+        "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "server": {
             "url": args.url,

@@ -437,7 +437,8 @@ class _Server:
                 wins=result.wins,
                 excluded=[f"{e.member}:{e.stage}" for e in result.excluded],
             )
-        tokens = f", {result.usage.completion_tokens} tokens in {len(result.segments)} rounds" if result else ""
+        rounds = len(result.segments) if result else 0
+        tokens = f", {result.usage.completion_tokens} tokens in {rounds} round{'s' * (rounds != 1)}" if result else ""
         logger.info(
             "chat completion %s after %.2fs (%s%s)",
             job.outcome,

@@ -148,40 +148,48 @@ def _held(name: str) -> Any:
 
 def test_errors_are_counted_by_outcome_and_code() -> None:
     member = _held("held")
-    app = create_app(SpecEM([member], SpecEMConfig(max_new_tokens=4)), max_concurrency=1, queue=0)
-    outcome: dict[str, int] = {}
+    app = create_app(SpecEM([member], SpecEMConfig(max_new_tokens=4)), max_concurrency=1, queue=1)
+    statuses: list[int] = []
     with TestClient(app) as client:
         before = scrape(client)
         # 4xx before any model work: invalid, by code
         assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
         assert client.post("/v1/chat/completions", json={"model": "gpt-x", "messages": QUESTION}).status_code == 404
 
-        # a request holding the only slot: running 1, and the next one is refused (429)
-        def hold() -> None:
-            outcome["held"] = client.post("/v1/chat/completions", json={"messages": QUESTION}).status_code
+        # one request holds the only slot, one waits in the queue, the next is refused (429)
+        def ask() -> None:
+            statuses.append(client.post("/v1/chat/completions", json={"messages": QUESTION}).status_code)
 
-        runner = threading.Thread(target=hold)
-        runner.start()
+        runners = [threading.Thread(target=ask) for _ in range(2)]
+        runners[0].start()
         assert member.gate.entered.wait(30)
+        runners[1].start()
+        deadline = time.monotonic() + 30
         during = scrape(client)
+        while value(during, "specem_requests_queued") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            during = scrape(client)
         assert value(during, "specem_requests_running") == 1
+        assert value(during, "specem_requests_queued") == 1
         assert value(during, "specem_sessions_open") == 1
         assert value(during, "specem_engine_workers") == 1
         refused = client.post("/v1/chat/completions", json={"messages": QUESTION})
         assert refused.status_code == 429
         member.gate.release.set()
-        runner.join(30)
+        for runner in runners:
+            runner.join(30)
         after = scrape(client)
-    assert outcome["held"] == 200
+    assert statuses == [200, 200]
     changes = {
         o: delta(after, before, "specem_requests_total", outcome=o)
         for o in ("completed", "invalid", "failed", "cancelled", "timed_out", "rejected")
     }
-    assert changes == {"completed": 1, "invalid": 2, "failed": 0, "cancelled": 0, "timed_out": 0, "rejected": 1}
+    assert changes == {"completed": 2, "invalid": 2, "failed": 0, "cancelled": 0, "timed_out": 0, "rejected": 1}
     for code in ("invalid_value", "model_not_found", "queue_full"):
         assert delta(after, before, "specem_request_errors_total", code=code) == 1, code
-    assert delta(after, before, "specem_request_queue_seconds_count") == 1  # only the request that got a slot
+    assert delta(after, before, "specem_request_queue_seconds_count") == 2  # only the requests that got a slot
     assert value(after, "specem_requests_running") == 0
+    assert value(after, "specem_requests_queued") == 0
 
 
 def test_a_timeout_and_members_that_all_fail_are_counted_with_their_exclusions() -> None:
