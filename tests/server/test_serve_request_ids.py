@@ -222,3 +222,34 @@ def test_json_logs_of_a_real_server_are_one_object_per_line_with_the_request_id(
     assert summary[0]["prompt_tokens"] > 0
     bad_lines = [line for line in lines if line["request_id"] == "json-bad"]
     assert [line["status"] for line in bad_lines if line["logger"] == "uvicorn.access"] == [400]
+
+
+def test_an_unhandled_error_answers_500_with_the_request_id(tiny_members: list[Any]) -> None:
+    """Starlette answers an exception no handler caught outside the middleware: the id is put back
+    on that response (header and body) and on its log line."""
+    from starlette.routing import Route
+
+    def boom(request: Any) -> Any:
+        raise RuntimeError("a bug (internal detail)")
+
+    app = create_app(SpecEM(tiny_members[:1], SpecEMConfig(max_new_tokens=2)))
+    app.router.routes.append(Route("/boom", boom))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(RequestIdFilter())
+    logging.getLogger("specem.server").addHandler(handler)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as test_client:
+            response = test_client.get("/boom", headers={"X-Request-ID": "boom-1"})
+    finally:
+        logging.getLogger("specem.server").removeHandler(handler)
+    assert response.status_code == 500
+    assert response.headers["x-request-id"] == "boom-1"
+    body = response.json()
+    assert body["request_id"] == "boom-1"
+    assert body["error"]["code"] == "internal_error"
+    assert "internal detail" not in response.text
+    logged = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(line["request_id"], line["level"]) for line in logged] == [("boom-1", "ERROR")]
+    assert "a bug (internal detail)" in logged[0]["exception"]  # the traceback stays in the log
