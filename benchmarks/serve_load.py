@@ -3,6 +3,8 @@
     python benchmarks/serve_load.py                                    # starts its own server (default pair)
     python benchmarks/serve_load.py --clients 1,2 --max-tokens 8 --model smollm2 --prompts 2 --disconnect 2
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --pid 12345 --api-key-env SPECEM_KEY
+    python benchmarks/serve_load.py --model smollm2 --model qwen2.5-coder --clients 8 --prompts 4 --max-tokens 32 \
+        --disconnect 0 --metrics-dir benchmarks/results --out benchmarks/results/serve_load_metrics_8_clients.json
 
 Without ``--url`` it starts ``specem serve --port 0`` on loopback (``--model`` repeatable, default
 the embedded pair; ``--server-arg`` passes anything else, e.g. ``--server-arg=--backend=llamacpp``)
@@ -25,6 +27,14 @@ Every request is greedy, streams, asks for ``stream_options.include_usage`` and,
    nothing running or queued, ``sessions_open == 0``, no engine worker thread) and its RSS
    (``/proc/PID/status`` VmRSS) back to the baseline taken before, within ``--rss-tolerance-mib``.
 
+4. **Metrics** (``--metrics-dir DIR``): during each level ``GET /metrics`` is scraped every
+   ``--metrics-interval`` seconds; the last scrape taken at the busiest moment (most requests
+   running plus queued) is written as ``DIR/metrics_scrape_N_clients.txt`` (Prometheus text, as served)
+   and the one taken after the level as ``DIR/metrics_scrape_N_clients_after.txt``. The summary
+   holds, per level, the series that moved and a cross-check: the server counted every client's
+   request as completed, and its first member's completion tokens equal the tokens the clients
+   were told in ``usage``.
+
 Writes ``benchmarks/results/serve_load.json`` (``--out``) and prints a table. Traffic goes to
 loopback (or ``--url``) only, and every loop is bounded.
 """
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -155,14 +166,18 @@ async def stream_one(
 
 
 async def run_level(args: argparse.Namespace, clients: int, reference: dict[int, str]) -> dict[str, Any]:
-    """``clients`` requests at once."""
+    """``clients`` requests at once (``/metrics`` scraped meanwhile with ``--metrics-dir``)."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     timeout = httpx.Timeout(args.client_timeout, connect=30.0)
     before = health(args).get("decode_batching", {})
+    scrapes = MetricsWatch(args) if args.metrics_dir is not None else None
+    if scrapes is not None:
+        await scrapes.start()
     async with httpx.AsyncClient(base_url=args.url, headers=args.headers, limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
         answers = await asyncio.gather(*(stream_one(client, args, i % args.prompts) for i in range(clients)))
         wall = time.perf_counter() - start
+    metrics = await scrapes.finish(clients, answers) if scrapes is not None else None
     batching = _batching_delta(before, health(args).get("decode_batching", {}))
     ok = [a for a in answers if a.error is None and not a.malformed]
     tokens = sum(a.completion_tokens for a in ok)
@@ -184,7 +199,99 @@ async def run_level(args: argparse.Namespace, clients: int, reference: dict[int,
         "total_p99_s": _percentile(total, 0.99),
         "finish_reasons": sorted({str(a.finish_reason) for a in ok}),
         "decode_batching": batching,
+        "metrics": metrics,
     }
+
+
+class MetricsWatch:
+    """Scrapes ``/metrics`` through one level: before it, every ``--metrics-interval`` seconds
+    while it runs (keeping the busiest scrape) and after it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client = httpx.AsyncClient(base_url=args.url, headers=args.headers, timeout=30.0)
+        self.before: dict[str, float] = {}
+        self.busiest: tuple[float, float, str] | None = None
+        """(running + queued, seconds into the level, the scrape's text)."""
+        self.scrapes = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._start = 0.0
+
+    async def scrape(self) -> tuple[str, dict[str, float]]:
+        response = await self.client.get("/metrics")
+        response.raise_for_status()
+        return response.text, _samples(response.text)
+
+    async def start(self) -> None:
+        _, self.before = await self.scrape()
+        self._start = time.perf_counter()
+        self._task = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while not self._stop.is_set():
+            text, samples = await self.scrape()
+            self.scrapes += 1
+            load = samples.get("specem_requests_running", 0.0) + samples.get("specem_requests_queued", 0.0)
+            if self.busiest is None or load >= self.busiest[0]:  # the last scrape at the peak: the most observed
+                self.busiest = (load, time.perf_counter() - self._start, text)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.args.metrics_interval)
+
+    async def finish(self, clients: int, answers: list[Answer]) -> dict[str, Any]:
+        """Stop watching; write the busiest and the final scrape; the summary and the cross-check."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        wait_idle(self.args, self.args.idle_timeout)  # the last request's counters are updated as it ends
+        after_text, after = await self.scrape()
+        await self.client.aclose()
+        directory: Path = self.args.metrics_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        during_path = directory / f"metrics_scrape_{clients}_clients.txt"
+        after_path = directory / f"metrics_scrape_{clients}_clients_after.txt"
+        assert self.busiest is not None
+        load, at, text = self.busiest
+        during_path.write_text(text)
+        after_path.write_text(after_text)
+        during = _samples(text)
+        moved = {k: round(v - self.before.get(k, 0.0), 6) for k, v in after.items() if v != self.before.get(k, 0.0)}
+        served_tokens = sum(a.completion_tokens for a in answers if a.error is None)
+        info = next((k for k in after if k.startswith("specem_info{")), 'members=""')
+        first_member = info.split('members="', 1)[1].split('"', 1)[0].split(",")[0]  # usage counts its tokens
+        server_tokens = moved.get(f'specem_member_completion_tokens_total{{member="{first_member}"}}', 0.0)
+        completed = moved.get('specem_requests_total{outcome="completed"}', 0.0)
+        return {
+            "scrapes": self.scrapes,
+            "busiest_scrape": str(during_path),
+            "busiest_at_s": round(at, 3),
+            "during": {k: v for k, v in during.items() if k.split("{")[0] in _LOAD_GAUGES},
+            "after_scrape": str(after_path),
+            "moved": {k: v for k, v in moved.items() if k.startswith("specem_")},
+            "check": {
+                "server_completed": completed,
+                "clients_completed": sum(1 for a in answers if a.error is None and not a.malformed),
+                "server_completion_tokens_first_member": server_tokens,
+                "clients_usage_completion_tokens": served_tokens,
+                "agree": completed == clients and server_tokens == served_tokens,
+            },
+            "busiest_load": load,
+        }
+
+
+_LOAD_GAUGES = {"specem_requests_running", "specem_requests_queued", "specem_sessions_open", "specem_engine_workers"}
+
+
+def _samples(text: str) -> dict[str, float]:
+    """A scrape as ``{'name{label="value",…}': value}`` (parsed by ``prometheus_client``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 def _batching_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -318,6 +425,17 @@ def report(result: dict[str, Any]) -> None:
             f"| {_fmt(lv['first_chunk_p50_s'])} / {_fmt(lv['first_chunk_p99_s'])} "
             f"| {_fmt(lv['total_p50_s'])} / {_fmt(lv['total_p99_s'])} |"
         )
+    for lv in result["levels"]:
+        m = lv.get("metrics")
+        if m:
+            check = m["check"]
+            print(
+                f"\nmetrics, {lv['clients']} client(s): {m['scrapes']} scrapes; busiest at {m['busiest_at_s']:.1f}s "
+                f"{m['during']} -> {m['busiest_scrape']}; after: server completed {check['server_completed']:.0f}, "
+                f"clients {check['clients_completed']}; completion tokens server "
+                f"{check['server_completion_tokens_first_member']:.0f} / clients "
+                f"{check['clients_usage_completion_tokens']} (agree: {check['agree']})"
+            )
     d = result.get("disconnect")
     if d:
         print()
@@ -367,6 +485,10 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=2.0, help="seconds before the last RSS reading")
     parser.add_argument("--idle-timeout", type=float, default=120.0)
     parser.add_argument("--client-timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--metrics-dir", type=Path, default=None, help="scrape /metrics during each level and write the scrapes here"
+    )
+    parser.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between scrapes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "serve_load.json")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -396,6 +518,7 @@ def main() -> None:
         if server is not None:
             server.cleanup()
     out = {
+        "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "server": {
             "url": args.url,
@@ -420,6 +543,7 @@ def main() -> None:
     report(out)
     print(f"\nwrote {args.out}")
     failed = any(lv["errors"] or lv["malformed"] for lv in out["levels"])
+    failed = failed or any(lv["metrics"] and not lv["metrics"]["check"]["agree"] for lv in out["levels"])
     d = out.get("disconnect")
     if d and (not d["back_to_idle"] or d["sessions_open_after"]):
         failed = True

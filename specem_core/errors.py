@@ -5,6 +5,9 @@ Every error names the problem in one line so that the CLI and the integrations c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class SpecEMError(Exception):
     """Base class of every error SpecEM raises on purpose."""
@@ -38,4 +41,13 @@ class MemberError(SpecEMError, RuntimeError):
 
 
 class AllMembersFailedError(SpecEMError, RuntimeError):
-    """Every member that could draft was excluded; no answer can be produced."""
+    """Every member that could draft was excluded; no answer can be produced.
+
+    Attributes:
+        excluded: the request's exclusions (:class:`~specem_core.types.Exclusion`: member, stage,
+            error, round), as a result would have reported them (``specem serve`` counts them).
+    """
+
+    def __init__(self, message: str, excluded: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.excluded: tuple[Any, ...] = tuple(excluded)

@@ -90,7 +90,7 @@ class MemberCalls:
         """
         if not any(self.members[i].can_draft for i in self.sessions):
             reasons = "; ".join(f"{e.member} ({e.stage}): {e.error}" for e in self.excluded)
-            raise AllMembersFailedError(f"every drafting member failed: {reasons or 'no drafter left'}")
+            raise AllMembersFailedError(f"every drafting member failed: {reasons or 'no drafter left'}", self.excluded)
 
     def close(self) -> None:
         """Close every session and the worker threads."""

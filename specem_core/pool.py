@@ -3,6 +3,7 @@ on one (a member's ``concurrency_key``)."""
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -40,7 +41,11 @@ class MemberPool:
         def run_group(group: list[int]) -> list[T | BaseException]:
             return [safe(i) for i in group]  # one device / server: its members run one after another
 
-        futures = {key: self._executor.submit(run_group, group) for key, group in groups.items()}
+        # each call runs in a copy of the caller's context (its context variables, e.g. a request id for logs)
+        futures = {
+            key: self._executor.submit(contextvars.copy_context().run, run_group, group)
+            for key, group in groups.items()
+        }
         by_index: dict[int, T | BaseException] = {}
         for key, fut in futures.items():
             for i, res in zip(groups[key], fut.result(), strict=True):

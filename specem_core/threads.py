@@ -9,6 +9,7 @@ event loop has closed stops the worker too.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 import weakref
@@ -52,7 +53,10 @@ class Workers:
                     close()  # release the members' sessions now, not at garbage collection
                 send(("end", None))
 
-        worker = threading.Thread(target=pump, name="specem-astream", daemon=True)
+        # the caller's context variables (a server's request id in its log lines) follow the loop
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(pump,), name="specem-astream", daemon=True
+        )
         self._threads.add(worker)
         worker.start()
         try:

@@ -15,12 +15,13 @@ import contextlib
 import ipaddress
 import json
 import logging
+import logging.config
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from specem_core import __version__
 from specem_core.backends.base import BatchingMember
@@ -280,6 +281,17 @@ def _serve_parser(sub: Any) -> None:
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="log level"
     )
     serve.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="log lines as text (default) or as one JSON object per line; either way with the request id",
+    )
+    serve.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve GET /metrics without the API key (default: it needs the key when --api-key-env is set)",
+    )
     serve.add_argument(
         "--ui",
         action=argparse.BooleanOptionalAction,
@@ -634,6 +646,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """Load the members, then serve them until SIGINT / SIGTERM (graceful shutdown)."""
     try:
         from specem_integrations.server import bind_socket, create_app, run_server
+        from specem_integrations.server._logging import JsonLineWriter, log_config
         from specem_integrations.server.run import socket_url
     except ImportError as exc:
         raise SpecEMError(f"specem serve needs the server extra: pip install -e '.[server]' ({exc})") from None
@@ -659,6 +672,9 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
         raise SpecEMError(str(exc)) from None
+    if args.log_format == "json":  # every line on standard error a JSON object, from loading on
+        logging.config.dictConfig(log_config(args.log_level, "json"))
+        err = cast(TextIO, JsonLineWriter(err))
     try:
         engine = _engine(args, err, ensemble)
         preset = ensemble.preset
@@ -672,6 +688,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             request_timeout=args.request_timeout or None,
             model_name=args.served_model_name,
             ui=_ui_enabled(args.ui, args.host),
+            metrics_public=args.metrics_public,
         )
         url = socket_url(sock)
         names = ", ".join(m.name for m in members)
@@ -698,6 +715,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             graceful_timeout=args.graceful_timeout or None,
             log_level=args.log_level,
             access_log=not args.no_access_log,
+            log_format=args.log_format,
         )
         # answers ended at the deadline stop after their round in progress: let those threads and the
         # members' background copies leave native code before the interpreter's exit handlers run

@@ -43,7 +43,7 @@ MODES: dict[str, list[str]] = {
     "quality.py": ["run humaneval --configs smollm2 --limit 1", "report"],
     "serve_load.py": [
         "--clients 1 --max-tokens 4 --model smollm2 --prompts 1 --disconnect 1 --disconnect-tokens 8 --settle 0"
-        " --out {tmp}/out.json"
+        " --metrics-dir {tmp} --out {tmp}/out.json"
     ],
     "serve_soak.py": [
         "--minutes 0.1 --window-minutes 0.1 --concurrency 2 --max-requests 6 --max-tokens 4 --model smollm2"

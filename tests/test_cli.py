@@ -132,7 +132,8 @@ def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
     assert ensemble.preset is get_preset("quality")  # no --model: the default preset
     config = ensemble.config
     assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (2, "softmax", True)
-    assert ensemble.weights is not None and set(ensemble.weights.prior) == set(get_preset("quality").members)
+    assert ensemble.weights is not None
+    assert set(ensemble.weights.prior) == set(get_preset("quality").members)
     args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
     config = _resolve(args).config
     assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}`` with a status code."""
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}, "request_id"}`` with a
+status code (``request_id`` beside ``error``, as the response's ``X-Request-ID``)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,17 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.request_id: str | None = None
+        """The request's id, added beside ``error`` in the body when set (the server sets it)."""
 
     def body(self) -> dict[str, Any]:
         """The JSON body (also used as the ``data:`` of an error event in a stream)."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body: dict[str, Any] = {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
+        if self.request_id is not None:
+            body["request_id"] = self.request_id
+        return body
 
     def response(self) -> JSONResponse:
         """The HTTP response."""

@@ -19,6 +19,12 @@ its own member sessions):
 * **Timeout**: ``request_timeout`` seconds from arrival, queue wait included: 504
   ``request_timeout`` before the stream starts, an OpenAI-style ``error`` event inside a stream
   that has started.
+
+Operations: every response carries ``X-Request-ID`` (the client's when valid, else a new one),
+which every log line of the request and every error body carry too; ``GET /metrics`` exposes
+Prometheus metrics (:mod:`specem_integrations.server._metrics`); ``GET /health/live`` answers
+while the process serves HTTP, ``GET /health/ready`` once the members are probed and until
+shutdown begins (:mod:`specem_integrations.server._readiness`).
 """
 
 from __future__ import annotations
@@ -30,13 +36,13 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -57,6 +63,7 @@ from specem_integrations.server._errors import (
     timed_out,
     unauthorized,
 )
+from specem_integrations.server._metrics import LiveState, ServerMetrics
 from specem_integrations.server._playground import playground_routes
 from specem_integrations.server._protocol import (
     TRACE_HEADER,
@@ -67,6 +74,14 @@ from specem_integrations.server._protocol import (
     error_event,
     parse_request,
     sse,
+)
+from specem_integrations.server._readiness import Readiness
+from specem_integrations.server._request_ids import (
+    REQUEST_ID_HEADER,
+    RequestIdMiddleware,
+    current_request_id,
+    new_request_id,
+    request_id_of,
 )
 from specem_integrations.server._sessions import CountedMember, SessionCounter
 
@@ -160,10 +175,17 @@ class _Job:
 
     call: EngineCall
     request_id: str
+    """The ``X-Request-ID`` (in the logs and error bodies)."""
+    completion_id: str
+    """The answer's ``id`` (``chatcmpl-…``)."""
     created: int
+    arrived: float
+    """Event-loop time of arrival (the timeout, the queue wait and the latencies count from it)."""
     deadline: float | None
     agen: AsyncIterator[StreamEvent] | None = None
     admitted_at: float | None = None
+    first_segment_at: float | None = None
+    result: GenerationResult | None = None
     outcome: Outcome = "failed"
     finished: bool = False
 
@@ -180,11 +202,13 @@ class _EventStream(StreamingResponse):
         finish: Callable[[Outcome | None], Awaitable[None]],
         headers: dict[str, str],
         stop: asyncio.Event | None = None,
+        on_stop: Callable[[], bytes] = lambda: error_event(shutting_down()),
     ) -> None:
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self._watch = watch
         self._deadline = deadline
         self._on_timeout = on_timeout
+        self._on_stop = on_stop
         self._finish = finish
         self._stop = stop
 
@@ -204,7 +228,7 @@ class _EventStream(StreamingResponse):
         except _ShuttingDownError:  # the answer ends with an error event, then [DONE]
             outcome = "cancelled"
             with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": error_event(shutting_down()), "more_body": True})
+                await send({"type": "http.response.body", "body": self._on_stop(), "more_body": True})
                 await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except _TimedOutError:
@@ -237,6 +261,7 @@ class _Server:
         model_name: str,
         count_sessions: bool,
         max_body_bytes: int,
+        metrics_public: bool = False,
     ) -> None:
         if not model_name or not model_name.strip():
             raise ValueError("model_name must be a non-empty string")
@@ -255,6 +280,9 @@ class _Server:
         self.count_sessions = count_sessions
         self.max_body_bytes = max_body_bytes
         self.stats = Stats()
+        self.metrics_public = metrics_public
+        self.readiness = Readiness(engine.members)
+        self.metrics = ServerMetrics(self.live_state, model_name, self.member_names)
         self.started = time.time()
         self.stopping = asyncio.Event()
         """Set when the shutdown grace period runs out: answers in flight end with an error."""
@@ -267,14 +295,24 @@ class _Server:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.call_later, max(0.0, seconds), self.stopping.set)
 
+    def begin_draining(self) -> None:
+        """Shutdown has begun (thread- and signal-safe): ``/health/ready`` answers 503 from now on."""
+        self.readiness.begin_draining()
+
     def __repr__(self) -> str:
         auth = "on" if self._key is not None else "off"
         return f"<specem server model={self.model_name!r} members={self.member_names} auth={auth}>"
 
     # -- helpers -------------------------------------------------------------------------------
-    def authorize(self, request: Request, *, received: bool = False) -> None:
+    def count(self, outcome: Outcome | Literal["rejected"]) -> None:
+        """A request ended: the ``/health`` counter and the ``specem_requests_total`` series."""
+        self.stats.add(outcome)
+        self.metrics.count(outcome)
+
+    def authorize(self, request: Request, *, received: bool = False, counted: bool = True) -> None:
         """Check the bearer key (constant-time); nothing about the key given is echoed or logged.
-        A refusal counts as ``invalid`` (and as ``received`` unless the caller counted it already)."""
+        A refusal counts as ``invalid`` (and as ``received`` unless the caller counted it already;
+        not at all with ``counted=False``: a scrape of ``/metrics`` is no request)."""
         if self._key is None:
             return
         header = request.headers.get("authorization", "")
@@ -282,9 +320,10 @@ class _Server:
         token = token.strip()
         missing = scheme.lower() != "bearer" or not token
         if missing or not hmac.compare_digest(token.encode(), self._key):
-            if not received:
-                self.stats.add("received")
-            self.stats.add("invalid")
+            if counted:
+                if not received:
+                    self.stats.add("received")
+                self.count("invalid")
             raise unauthorized(missing=missing)
 
     async def read_json(self, request: Request) -> object:
@@ -317,6 +356,7 @@ class _Server:
         if isinstance(exc, InputError | ConfigError):
             return invalid_request(str(exc))
         if isinstance(exc, AllMembersFailedError):  # one line naming each member, stage and error
+            self.metrics.excluded(exc.excluded)
             logger.warning("request %s: %s", request_id, exc)
             return APIError(500, str(exc), type="server_error", code="all_members_failed")
         if isinstance(exc, SpecEMError):
@@ -335,6 +375,19 @@ class _Server:
         await self.admission.acquire()
         job.admitted_at = asyncio.get_running_loop().time()
         self.stats.add("started")
+        self.metrics.queued(job.admitted_at - job.arrived)
+
+    def first_segment(self, job: _Job) -> None:
+        """The request's first segment is here (counted once)."""
+        if job.first_segment_at is None:
+            job.first_segment_at = asyncio.get_running_loop().time()
+            self.metrics.first_segment(job.first_segment_at - job.arrived)
+
+    def stream_error(self, job: _Job, error: APIError) -> bytes:
+        """An error event for a stream that has started, with the request id, counted by its code."""
+        error.request_id = job.request_id
+        self.metrics.error(error.code)
+        return error_event(error)
 
     def start(self, job: _Job) -> AsyncIterator[StreamEvent]:
         """Start the engine on an admitted job."""
@@ -353,15 +406,55 @@ class _Server:
         if closer is not None:
             with contextlib.suppress(BaseException):
                 await closer()
+        now = asyncio.get_running_loop().time()
         if job.admitted_at is not None:
-            self.admission.release(asyncio.get_running_loop().time() - job.admitted_at)
-        self.stats.add(job.outcome)
+            self.admission.release(now - job.admitted_at)
+        self.count(job.outcome)
+        if job.outcome == "completed" and job.result is not None:
+            self.metrics.completed(job.result, now - job.arrived)
+        self.log_finished(job, now)
 
-    @staticmethod
-    async def collect(agen: AsyncIterator[StreamEvent]) -> GenerationResult:
+    def log_finished(self, job: _Job, now: float) -> None:
+        """One line per request that reached the queue: how it ended, its timings and tokens
+        (as fields in JSON logs)."""
+        result = job.result if job.outcome == "completed" else None
+        fields: dict[str, Any] = {
+            "outcome": job.outcome,
+            "completion_id": job.completion_id,
+            "stream": job.call.stream,
+            "seconds": round(now - job.arrived, 3),
+            "queue_seconds": None if job.admitted_at is None else round(job.admitted_at - job.arrived, 3),
+            "first_segment_seconds": (
+                None if job.first_segment_at is None else round(job.first_segment_at - job.arrived, 3)
+            ),
+        }
+        if result is not None:
+            fields.update(
+                finish_reason=result.finish_reason,
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                cached_tokens=result.usage.cached_tokens,
+                rounds=len(result.segments),
+                wins=result.wins,
+                excluded=[f"{e.member}:{e.stage}" for e in result.excluded],
+            )
+        rounds = len(result.segments) if result else 0
+        tokens = f", {result.usage.completion_tokens} tokens in {rounds} round{'s' * (rounds != 1)}" if result else ""
+        logger.info(
+            "chat completion %s after %.2fs (%s%s)",
+            job.outcome,
+            now - job.arrived,
+            "stream" if job.call.stream else "json",
+            tokens,
+            extra=fields,
+        )
+
+    async def collect(self, job: _Job, agen: AsyncIterator[StreamEvent]) -> GenerationResult:
         """Run a request to its end."""
         async for event in agen:
+            self.first_segment(job)
             if event.done and event.result is not None:
+                job.result = event.result
                 return event.result
         raise SpecEMError("the engine ended without a result")
 
@@ -369,7 +462,7 @@ class _Server:
         """The SSE events of one streamed answer: role, one chunk per segment, calls, end, usage."""
         assert job.agen is not None
         call = job.call
-        writer = ChunkWriter(job.request_id, job.created, self.model_name, call.include_usage)
+        writer = ChunkWriter(job.completion_id, job.created, self.model_name, call.include_usage)
         yield sse(writer.chunk({"role": "assistant", "content": ""}))
         event = first
         while True:
@@ -380,8 +473,9 @@ class _Server:
                 result = event.result
                 if result is None:
                     job.outcome = "failed"
-                    yield error_event(internal_error("the engine ended without a result"))
+                    yield self.stream_error(job, internal_error("the engine ended without a result"))
                     return
+                job.result = result
                 for chunk in writer.tool_call_chunks(result):
                     yield sse(chunk)
                 final_extra = {"specem": result.trace()} if call.trace else None
@@ -395,19 +489,23 @@ class _Server:
                 event = await anext(job.agen)
             except StopAsyncIteration:
                 job.outcome = "failed"
-                yield error_event(internal_error("the engine ended without a result"))
+                yield self.stream_error(job, internal_error("the engine ended without a result"))
                 return
             except Exception as exc:
                 job.outcome = "failed"
-                yield error_event(self.engine_error(exc, job.request_id))
+                yield self.stream_error(job, self.engine_error(exc, job.request_id))
                 return
 
     # -- routes --------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        """Liveness plus load: requests running and queued, sessions and engine workers alive."""
+        """Liveness plus load: requests running and queued, sessions and engine workers alive,
+        readiness (always 200 while the process serves HTTP: probes use ``/health/live`` and
+        ``/health/ready``)."""
         return JSONResponse(
             {
                 "status": "ok",
+                "ready": self.readiness.ready,
+                "draining": self.readiness.draining,
                 "model": self.model_name,
                 "members": self.member_names,
                 "max_concurrency": self.admission.max_concurrency,
@@ -422,6 +520,46 @@ class _Server:
                 "uptime_s": round(time.time() - self.started, 3),
             }
         )
+
+    async def live(self, request: Request) -> Response:
+        """``GET /health/live``: 200 while the process answers HTTP (restart it when this fails)."""
+        return JSONResponse({"status": "alive"})
+
+    async def ready(self, request: Request) -> Response:
+        """``GET /health/ready``: 200 once the members are loaded and probed, 503 before that and
+        from the start of shutdown (send no new traffic); the members' probe results either way."""
+        state = self.readiness.state()
+        body = {"status": state, "ready": state == "ready", "members": self.readiness.members()}
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    def live_state(self) -> LiveState:
+        """What the metrics' gauges show now."""
+        breakers = []
+        for member in self.engine.members:
+            breaker = getattr(getattr(member, "client", None), "breaker", None)
+            if breaker is not None and hasattr(breaker, "state"):
+                breakers.append((member.name, breaker))
+        weights = self.engine.weights
+        return LiveState(
+            running=self.admission.running,
+            queued=self.admission.waiting,
+            max_concurrency=self.admission.max_concurrency,
+            queue=self.admission.queue,
+            sessions_open=self.sessions.open if self.count_sessions else None,
+            engine_workers=self.engine_workers(),
+            ready=self.readiness.ready,
+            draining=self.readiness.draining,
+            breakers=breakers,
+            weights=weights.current() if weights is not None else {},
+        )
+
+    async def metrics_page(self, request: Request) -> Response:
+        """``GET /metrics``: Prometheus text (OpenMetrics when the scraper asks for it). Needs the
+        API key when the server has one, unless ``metrics_public``."""
+        if not self.metrics_public:
+            self.authorize(request, counted=False)
+        body, content_type = self.metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
 
     def decode_batching(self) -> dict[str, dict[str, Any]]:
         """Per device queue (transformers members batching across requests): passes that served
@@ -479,7 +617,7 @@ class _Server:
             try:
                 body = await self.read_json(request)
             except ClientDisconnect:  # gone while sending the body
-                self.stats.add("cancelled")
+                self.count("cancelled")
                 return Response(status_code=499)
             req = parse_request(body)
             if req.model is not None and req.model != self.model_name:
@@ -489,15 +627,22 @@ class _Server:
                 req, self.engine.config, trace_header=trace_header, members=[m.name for m in self.engine.members]
             )
         except APIError:
-            self.stats.add("invalid")
+            self.count("invalid")
             raise
         loop = asyncio.get_running_loop()
         self._loop = loop
+        now = loop.time()
+        request_id = current_request_id.get() or new_request_id()
+        # the answer's id: the request id's when the server made that one, else a fresh one (a
+        # client's X-Request-ID may repeat; completion ids should not)
+        generated = request.headers.get(REQUEST_ID_HEADER, "").strip() != request_id
         job = _Job(
             call=call,
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=request_id,
+            completion_id=f"chatcmpl-{request_id if generated else new_request_id()}",
             created=int(time.time()),
-            deadline=None if self.request_timeout is None else loop.time() + self.request_timeout,
+            arrived=now,
+            deadline=None if self.request_timeout is None else now + self.request_timeout,
         )
         watch = _DisconnectWatch(request.receive)
         watch.start()
@@ -506,13 +651,13 @@ class _Server:
             try:
                 await _guarded(self.admit(job), watch, job.deadline)
             except QueueFullError as exc:
-                self.stats.add("rejected")
+                self.count("rejected")
                 job.finished = True
                 raise queue_full(exc.retry_after) from None
             agen = self.start(job)
-            headers = {"x-request-id": job.request_id}
             if call.stream:
                 first = await _guarded(anext(agen), watch, job.deadline)
+                self.first_segment(job)
                 seconds = self.request_timeout or 0.0
 
                 async def finish(outcome: Outcome | None) -> None:
@@ -523,19 +668,20 @@ class _Server:
                     self.sse_body(job, first),
                     watch,
                     job.deadline,
-                    on_timeout=lambda: error_event(timed_out(seconds)),
+                    on_timeout=lambda: self.stream_error(job, timed_out(seconds)),
                     finish=finish,
-                    headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
                     stop=self.stopping,
+                    on_stop=lambda: self.stream_error(job, shutting_down()),
                 )
                 handed_over = True
                 return response
-            result = await _guarded(self.collect(agen), watch, job.deadline, self.stopping)
+            result = await _guarded(self.collect(job, agen), watch, job.deadline, self.stopping)
             job.outcome = "completed"
             body_out = completion_body(
-                result, request_id=job.request_id, created=job.created, model=self.model_name, trace=call.trace
+                result, request_id=job.completion_id, created=job.created, model=self.model_name, trace=call.trace
             )
-            return JSONResponse(body_out, headers=headers)
+            return JSONResponse(body_out)
         except _ClientGoneError:
             job.outcome = "cancelled"
             return Response(status_code=499)  # nobody is listening any more
@@ -559,9 +705,18 @@ class _Server:
                 await watch.stop()
 
 
+def _answer(request: Request, error: APIError) -> Response:
+    """An error response with the request id in its body, counted by its code."""
+    error.request_id = request_id_of(request.scope)
+    server = getattr(request.app.state, "specem", None)
+    if isinstance(server, _Server):
+        server.metrics.error(error.code)
+    return error.response()
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return _answer(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -569,15 +724,25 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     codes = {404: "not_found", 405: "method_not_allowed"}
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    error = APIError(exc.status_code, message, type=kind, code=codes.get(exc.status_code))
-    return JSONResponse(error.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
+    error = APIError(exc.status_code, message, type=kind, code=codes.get(exc.status_code), headers=exc.headers)
+    return _answer(request, error)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    logger.error(
-        "unhandled error on %s %s", request.method, request.url.path, exc_info=(type(exc), exc, exc.__traceback__)
-    )
-    return internal_error().response()
+    # Starlette answers this outside the middleware: the request id is put back for the log line
+    # and the response header here
+    request_id = request_id_of(request.scope)
+    token = current_request_id.set(request_id)
+    try:
+        logger.error(
+            "unhandled error on %s %s", request.method, request.url.path, exc_info=(type(exc), exc, exc.__traceback__)
+        )
+    finally:
+        current_request_id.reset(token)
+    response = _answer(request, internal_error())
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
 
 
 def create_app(
@@ -591,11 +756,16 @@ def create_app(
     count_sessions: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ui: bool = False,
+    metrics_public: bool = False,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app serving ``engine`` as one model.
 
     Routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
-    ``GET /v1/models/{id}`` and ``GET /health`` (no authentication: load and counters only).
+    ``GET /v1/models/{id}``; ``GET /health`` (load and counters), ``GET /health/live`` and
+    ``GET /health/ready`` (probes), all three without authentication; ``GET /metrics``
+    (Prometheus). Every response carries ``X-Request-ID``: the client's when it is 1-128
+    characters of letters, digits and ``._:/+=@~-``, else a new one; every log line written for
+    the request and every error body (``"request_id"`` beside ``"error"``) carry it too.
 
     Args:
         engine: the ensemble; every request shares its loaded members and its configuration
@@ -612,6 +782,8 @@ def create_app(
         max_body_bytes: larger request bodies are refused with 413.
         ui: serve the browser playground on ``GET /`` (one page and its assets under
             ``/playground/``, package data; it uses only the public endpoints). Off: ``/`` is 404.
+        metrics_public: serve ``GET /metrics`` without the API key (by default it needs the key
+            whenever ``api_key`` is set; without a key it is open like every route).
 
     Raises:
         ValueError: a bad limit, an empty ``model_name`` or an empty ``api_key``.
@@ -625,9 +797,13 @@ def create_app(
         model_name=model_name,
         count_sessions=count_sessions,
         max_body_bytes=max_body_bytes,
+        metrics_public=metrics_public,
     )
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/health/live", server.live, methods=["GET"]),
+        Route("/health/ready", server.ready, methods=["GET"]),
+        Route("/metrics", server.metrics_page, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -636,7 +812,9 @@ def create_app(
         routes += playground_routes()
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(RequestIdMiddleware)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected},
     )
     app.state.specem = server
+    server.readiness.start()  # probe the members reached over HTTP, in the background
     return app

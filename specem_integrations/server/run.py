@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 from starlette.applications import Starlette
+
+from specem_integrations.server._logging import LogFormat, log_config
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -59,13 +59,18 @@ def _server_class() -> Any:
     class _GracefulServer(uvicorn.Server):
         """uvicorn's server, telling the app when the shutdown grace period is about to run out."""
 
-        def __init__(self, config: uvicorn.Config, end_answers_after: Any, grace: float | None) -> None:
+        def __init__(
+            self, config: uvicorn.Config, end_answers_after: Any, grace: float | None, begin_draining: Any = None
+        ) -> None:
             super().__init__(config)
             self._end_answers_after = end_answers_after
             self._grace = grace
+            self._begin_draining = begin_draining
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             first = not self.should_exit
+            if first and self._begin_draining is not None:
+                self._begin_draining()  # /health/ready answers 503 from now on
             super().handle_exit(sig, frame)
             if first and self._grace is not None and self._end_answers_after is not None:
                 self._end_answers_after(max(0.0, self._grace - min(_END_MARGIN, self._grace / 4)))
@@ -95,6 +100,7 @@ def run_server(
     graceful_timeout: float | None = 30.0,
     log_level: str = "info",
     access_log: bool = True,
+    log_format: LogFormat = "text",
 ) -> bool:
     """Serve ``app`` on ``sock`` until SIGINT / SIGTERM, then shut down gracefully.
 
@@ -103,24 +109,22 @@ def run_server(
     period) the answers still running are ended: a stream gets a ``server_shutting_down`` error
     event and ``[DONE]``, a JSON request a 503 with that code; the engine stops after the round in
     progress and closes the member sessions. The process then exits normally (status 0).
+    From the signal on, ``/health/ready`` answers 503.
+
+    Logging (:func:`~specem_integrations.server._logging.log_config`): ``log_format`` ``text`` or
+    ``json`` (one object per line), every line with its request's id.
 
     Returns:
         False when the server could not start.
     """
     import uvicorn
 
-    ours = logging.getLogger("specem.server")
-    if not ours.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(log_level.upper())
-        ours.propagate = False
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        log_config=log_config(log_level, log_format),
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=math.ceil(graceful_timeout) if graceful_timeout else None,
@@ -128,7 +132,9 @@ def run_server(
     )
     grace = float(config.timeout_graceful_shutdown) if config.timeout_graceful_shutdown else None
     specem = getattr(app.state, "specem", None)
-    server = _server_class()(config, getattr(specem, "end_answers_after", None), grace)
+    server = _server_class()(
+        config, getattr(specem, "end_answers_after", None), grace, getattr(specem, "begin_draining", None)
+    )
     with _exit_signals_handled():
         server.run(sockets=[sock])
     return bool(server.started)

@@ -170,10 +170,12 @@ def serving(args: Sequence[str] = ("--model", "smollm2"), **kwargs: Any) -> Iter
 
 def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     """The ``error`` object of an OpenAI-shaped error response, checked: the status, exactly the
-    four keys, a non-empty message and no traceback in it."""
+    four keys, a non-empty message and no traceback in it; beside it the request id, the same as
+    the ``X-Request-ID`` header."""
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body) == {"error"}
+    assert set(body) == {"error", "request_id"}
+    assert body["request_id"] == response.headers["x-request-id"]
     error: dict[str, Any] = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str)

@@ -73,8 +73,17 @@ def test_help_lists_the_options() -> None:
         "--request-timeout",
         "--served-model-name",
         "--segment-len",
+        "--log-format",
+        "--metrics-public",
     ):
         assert option in text
+
+
+def test_an_unknown_log_format_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "no-such-model-anywhere", "--log-format", "xml"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'xml'" in capsys.readouterr().err
 
 
 async def test_admission_bounds_and_fifo() -> None:
