@@ -28,11 +28,17 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status = status
+        """The HTTP status (400, 401, 404, 413, 429, 500, 503, 504)."""
         self.message = message
+        """What went wrong, for the client (``error.message``)."""
         self.type = type
+        """OpenAI's error type (``error.type``): ``invalid_request_error``, ``authentication_error``, …"""
         self.param = param
+        """The request parameter at fault, as the client wrote it (``error.param``), or ``None``."""
         self.code = code
+        """A machine-readable reason (``error.code``): ``invalid_value``, ``rate_limit_exceeded``, …"""
         self.headers = dict(headers or {})
+        """Extra response headers (``Retry-After`` on a 429 or 503)."""
         self.request_id: str | None = None
         """The request's id, added beside ``error`` in the body when set (the server sets it)."""
 

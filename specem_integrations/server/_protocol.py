@@ -80,8 +80,8 @@ class StreamOptions(_Strict):
 class _SpecEMOptionsBase(BaseModel):
     """The ``specem`` extension object of a request: the trace, a preset's settings, and every
     :class:`SpecEMConfig` option a request may set (:data:`REQUEST_FIELDS`, typed as the config
-    types them: derived, never retyped). The OpenAI fields -- ``max_tokens``, ``temperature``,
-    ``top_p``, ``seed``, ``stop`` -- go at the top level. Unset fields keep the server's (its
+    types them: derived, never retyped). The OpenAI fields (``max_tokens``, ``temperature``,
+    ``top_p``, ``seed``, ``stop``) go at the top level. Unset fields keep the server's (its
     preset's) values. Option names of 0.1 are accepted with a warning until 0.3."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
