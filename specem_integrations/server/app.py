@@ -266,6 +266,14 @@ class _Server:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.call_later, max(0.0, seconds), self.stopping.set)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """After the shutdown: wait (at most ``timeout`` seconds) until the request threads of the
+        *served* engine have stopped and the members' background work is done. The served engine
+        wraps the members to count sessions (``count_sessions``), so it is not the engine given to
+        :func:`create_app`, whose ``wait_idle`` would find no thread to join. Returns whether all
+        of it ended."""
+        return self.engine.wait_idle(timeout)
+
     def __repr__(self) -> str:
         auth = "on" if self._key is not None else "off"
         return f"<specem server model={self.model_name!r} members={self.member_names} auth={auth}>"

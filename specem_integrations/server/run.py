@@ -48,6 +48,9 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+IDLE_AFTER_SHUTDOWN_SECONDS = 60.0
+"""How long :func:`run_server` waits, after uvicorn stopped, for the request threads it ended."""
+
 _END_MARGIN = 1.0
 """Seconds before uvicorn's own deadline at which answers still in flight are ended with an
 error event, so that each stream closes cleanly rather than being cut off."""
@@ -102,7 +105,12 @@ def run_server(
     ``graceful_timeout`` seconds. Shortly before that (a second, or a quarter of a shorter grace
     period) the answers still running are ended: a stream gets a ``server_shutting_down`` error
     event and ``[DONE]``, a JSON request a 503 with that code; the engine stops after the round in
-    progress and closes the member sessions. The process then exits normally (status 0).
+    progress and closes the member sessions. Before returning it waits (at most
+    :data:`IDLE_AFTER_SHUTDOWN_SECONDS`) until those request threads have stopped and the members'
+    background work is done, so that no thread is inside a native library (llama.cpp) when the
+    process exits: a thread still decoding then crashed the process in llama.cpp's exit-time
+    destructors (docs/guides/reliability.md, "A clean exit"). The process then exits normally
+    (status 0).
 
     Returns:
         False when the server could not start.
@@ -131,4 +139,6 @@ def run_server(
     server = _server_class()(config, getattr(specem, "end_answers_after", None), grace)
     with _exit_signals_handled():
         server.run(sockets=[sock])
+    if specem is not None and not specem.wait_idle(IDLE_AFTER_SHUTDOWN_SECONDS):
+        ours.warning("request threads still running %.0fs after the shutdown", IDLE_AFTER_SHUTDOWN_SECONDS)
     return bool(server.started)
