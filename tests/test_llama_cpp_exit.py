@@ -95,9 +95,9 @@ decoding.wait()  # the main thread returns while the daemon thread decodes
 
 @pytest.mark.slow
 def test_a_process_exiting_while_a_daemon_thread_decodes_exits_0() -> None:
-    """Without the gate about 1 such process in 4 died with SIGSEGV (status -11) on the 2-core CI
-    machine; with it every one exits 0, and when the interpreter's exit handlers are done the gate
-    is closed and no thread is inside llama.cpp."""
+    """Without the gate 4 such processes in 10 died with SIGSEGV (status -11) on a 2-core machine
+    (this child, on the backend before the fix); with it every one exits 0, and when the
+    interpreter's exit handlers are done the gate is closed and no thread is inside llama.cpp."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
     from specem_core.models import find_packaged, packaged_gguf
 
