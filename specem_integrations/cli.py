@@ -11,7 +11,6 @@ the default preset when no ``--model`` is given, else the members under the libr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import json
 import logging
@@ -717,9 +716,6 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             access_log=not args.no_access_log,
             log_format=args.log_format,
         )
-        # answers ended at the deadline stop after their round in progress: let those threads and the
-        # members' background copies leave native code before the interpreter's exit handlers run
-        engine.wait_idle(timeout=30.0)
     finally:
         sock.close()
     return 0 if started else 1
@@ -787,19 +783,6 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def _exit_after_serving(code: int) -> None:
-    """End the process right after a graceful shutdown, without the interpreter's finalization.
-    Answers are ended and learned weights are saved per request by then; what finalization would
-    still run is native libraries' exit handlers, and llama.cpp's worker threads raced them: a
-    shutdown that ended answers mid-round crashed with SIGSEGV at exit in about 1 run in 8 of
-    ``tests/server/test_real_faults.py``'s SIGTERM tests (exit status -11 after a clean shutdown)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``specem`` console script."""
     args = _parser().parse_args(argv)
@@ -808,10 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args, out, err)
         if args.command == "serve":
-            code = _serve(args, out, err)
-            if argv is None and code == 0:  # this process's own command line: nothing runs after it
-                _exit_after_serving(code)
-            return code
+            return _serve(args, out, err)
         if args.command == "calibrate":
             return _calibrate(args, out, err)
         if args.command == "presets":

@@ -299,6 +299,14 @@ class _Server:
         """Shutdown has begun (thread- and signal-safe): ``/health/ready`` answers 503 from now on."""
         self.readiness.begin_draining()
 
+    def wait_idle(self, timeout: float) -> bool:
+        """After the shutdown: wait (at most ``timeout`` seconds) until the request threads of the
+        *served* engine have stopped and the members' background work is done. The served engine
+        wraps the members to count sessions (``count_sessions``), so it is not the engine given to
+        :func:`create_app`, whose ``wait_idle`` would find no thread to join. Returns whether all
+        of it ended."""
+        return self.engine.wait_idle(timeout)
+
     def __repr__(self) -> str:
         auth = "on" if self._key is not None else "off"
         return f"<specem server model={self.model_name!r} members={self.member_names} auth={auth}>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 import socket
@@ -47,6 +48,9 @@ def socket_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+
+IDLE_AFTER_SHUTDOWN_SECONDS = 60.0
+"""How long :func:`run_server` waits, after uvicorn stopped, for the request threads it ended."""
 
 _END_MARGIN = 1.0
 """Seconds before uvicorn's own deadline at which answers still in flight are ended with an
@@ -108,8 +112,12 @@ def run_server(
     ``graceful_timeout`` seconds. Shortly before that (a second, or a quarter of a shorter grace
     period) the answers still running are ended: a stream gets a ``server_shutting_down`` error
     event and ``[DONE]``, a JSON request a 503 with that code; the engine stops after the round in
-    progress and closes the member sessions. The process then exits normally (status 0).
-    From the signal on, ``/health/ready`` answers 503.
+    progress and closes the member sessions. Before returning it waits (at most
+    :data:`IDLE_AFTER_SHUTDOWN_SECONDS`) until those request threads have stopped and the members'
+    background work is done, so that no thread is inside a native library (llama.cpp) when the
+    process exits: a thread still decoding then crashed the process in llama.cpp's exit-time
+    destructors (docs/guides/reliability.md, "A clean exit"). The process then exits normally
+    (status 0). From the signal on, ``/health/ready`` answers 503.
 
     Logging (:func:`~specem_integrations.server._logging.log_config`): ``log_format`` ``text`` or
     ``json`` (one object per line), every line with its request's id.
@@ -137,4 +145,8 @@ def run_server(
     )
     with _exit_signals_handled():
         server.run(sockets=[sock])
+    if specem is not None and not specem.wait_idle(IDLE_AFTER_SHUTDOWN_SECONDS):
+        logging.getLogger("specem.server").warning(
+            "request threads still running %.0fs after the shutdown", IDLE_AFTER_SHUTDOWN_SECONDS
+        )
     return bool(server.started)

@@ -26,6 +26,20 @@ SERVER_KEY = "sk-specem-test-SECRET-31415926"
 
 _LISTENING = re.compile(r"specem serve: listening on (http://\S+?)/v1 ")
 
+FINALIZED = "serve_process: interpreter finalized; threads alive:"
+"""The line the exit probe prints from the interpreter's last ``atexit`` handler (see :func:`start_serve`)."""
+
+_EXIT_PROBE = (
+    "import atexit, sys, threading\n"
+    "atexit.register(lambda: print({marker!r}, sorted(t.name for t in threading.enumerate()"
+    " if t is not threading.main_thread()), file=sys.stderr, flush=True))\n"
+    "from specem_integrations.cli import main\n"
+    "sys.exit(main())\n"
+)
+"""Runs the CLI like ``-m specem_integrations.cli``, with an ``atexit`` handler registered before
+anything else: it runs last, so its line shows that the interpreter's normal exit ran (``os._exit``
+skips it) and which threads were still alive then."""
+
 
 @dataclass
 class ServeProcess:
@@ -62,6 +76,20 @@ class ServeProcess:
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-n:])
+
+    def check_clean_exit(self, code: int) -> None:
+        """A server started with ``exit_probe=True`` exited normally: status 0 (no fatal signal,
+        no SIGSEGV / SIGABRT), the interpreter's ``atexit`` handlers ran (it was not cut short by
+        ``os._exit``), no request worker thread (``specem-astream``) was still alive then, and no
+        fatal-error report is in its log."""
+        log = self.log()
+        status = f"{code} ({signal.Signals(-code).name})" if code < 0 else str(code)
+        assert code == 0, f"specem serve exited with status {status}:\n{self.log_tail()}"
+        probe = [line for line in log.splitlines() if line.startswith(FINALIZED)]
+        assert probe, f"the interpreter's exit handlers did not run (os._exit?):\n{self.log_tail()}"
+        assert "specem-astream" not in probe[-1], f"request threads still alive at exit: {probe[-1]}"
+        for fatal in ("Fatal Python error", "Segmentation fault", "terminate called"):
+            assert fatal not in log, f"{fatal!r} in the log:\n{self.log_tail()}"
 
     def wait_health(self, timeout: float = 60.0, **expected: int) -> dict[str, Any]:
         """Poll ``/health`` until each ``expected`` counter has its value (``requests_queued=1``…)."""
@@ -114,13 +142,16 @@ def start_serve(
     env: Mapping[str, str] | None = None,
     startup_timeout: float = 240.0,
     python: str | None = None,
+    exit_probe: bool = False,
 ) -> ServeProcess:
     """Start ``python -m specem_integrations.cli serve --port 0 ARGS`` and wait until ``/health`` answers.
 
     With ``api_key`` the key is passed through the environment variable ``SPECEM_TEST_SERVER_KEY``
-    (``--api-key-env``), never on the command line.
+    (``--api-key-env``), never on the command line. With ``exit_probe`` the CLI runs under an
+    ``atexit`` probe and ``PYTHONFAULTHANDLER=1``, for :meth:`ServeProcess.check_clean_exit`.
     """
-    cmd = [python or sys.executable, "-m", "specem_integrations.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+    launch = ["-c", _EXIT_PROBE.format(marker=FINALIZED)] if exit_probe else ["-m", "specem_integrations.cli"]
+    cmd = [python or sys.executable, *launch, "serve", "--host", "127.0.0.1", "--port", "0"]
     cmd += args
     child_env = dict(os.environ)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -129,6 +160,8 @@ def start_serve(
     # (no OMP_NUM_THREADS here: transformers members run one forward pass at a time per device,
     # batching concurrent requests' decode steps, so a pass may use every core; a benchmark of
     # --request-batch-size 1, where requests run their passes side by side, sets it to 1 itself)
+    if exit_probe:
+        child_env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal before finalization prints every thread's stack
     child_env.update(env or {})
     if api_key is not None:
         child_env["SPECEM_TEST_SERVER_KEY"] = api_key

@@ -7,12 +7,15 @@ ballast sequence that keeps retired cells occupied (see :mod:`.session` for why)
 
 from __future__ import annotations
 
+import atexit
 import codecs
+import contextlib
 import ctypes
 import logging
 import math
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,8 +33,11 @@ COMPACT_AFTER = 192
 """Retired cells tolerated before a session refills its context (when they also exceed its length)."""
 MAX_OUTPUTS = 128
 """Logit rows one decode call may return (bounds the per-context output buffer)."""
+EXIT_WAIT_SECONDS = 300.0
+"""How long the interpreter's exit waits for llama.cpp calls in flight (see :class:`NativeCalls`)."""
 _BACKEND_LOCK = threading.Lock()
 _BACKEND_READY = False
+_log = logging.getLogger(__name__)
 
 
 class LoadedModel(Protocol):
@@ -57,6 +63,80 @@ class LlamaCppError(SpecEMError, RuntimeError):
     """llama.cpp refused a call (no KV slot left, no free context, a failed decode)."""
 
 
+class NativeCalls:
+    """The llama.cpp calls in flight, process-wide, with a gate that the interpreter's exit closes.
+
+    Why: a thread still inside ``llama_decode`` when the process exits crashes it. CPython does not
+    wait for daemon threads (``specem serve``'s request workers, the prefix-cache copies, any
+    caller's), and C ``exit()`` then runs the C++ static destructors of llama.cpp's libraries:
+    ggml-cpu's static vector of extra buffer types is freed while the decode's OpenMP workers still
+    walk it in ``ggml_cpu_extra_compute_forward`` for every graph node, and the process dies with
+    SIGSEGV (status -11) after an otherwise clean run (llama-cpp-python 0.3.36; reproduced by
+    ``scripts/repro/llama_cpp_exit_race.py``; docs/guides/reliability.md, "A clean exit").
+
+    The workaround: the calls that run llama.cpp's compute threads or take long (decode, KV-row
+    copies) and the calls that free its objects go through :meth:`call`; an ``atexit`` handler
+    (Python runs those before finalization, while daemon threads still run) closes the gate and
+    waits for the calls in flight (:data:`EXIT_WAIT_SECONDS` at most). A call tried after that
+    raises :class:`LlamaCppError`; frees are skipped (the process is ending).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the gate is closed (the interpreter is exiting)."""
+        return self._closed
+
+    @property
+    def inside(self) -> int:
+        """Threads inside a gated llama.cpp call now."""
+        return self._inside
+
+    @contextlib.contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        """Around one llama.cpp call (``what`` names it in the error).
+
+        Raises:
+            LlamaCppError: the interpreter is exiting; no llama.cpp call starts any more.
+        """
+        with self._cond:
+            if self._closed:
+                raise LlamaCppError(f"{what}: the process is exiting, llama.cpp calls are stopped")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                if self._inside == 0:
+                    self._cond.notify_all()
+
+    def close(self, timeout: float | None = EXIT_WAIT_SECONDS) -> bool:
+        """Let no call start any more, and wait (at most ``timeout`` seconds) for the calls in
+        flight to return. Returns whether none is left."""
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: self._inside == 0, timeout)
+
+
+NATIVE_CALLS = NativeCalls()
+"""The gate every llama.cpp call that may run at exit goes through (see :class:`NativeCalls`)."""
+
+
+def _close_native_calls() -> None:
+    """``atexit``: no llama.cpp call runs when the C++ static destructors do."""
+    if not NATIVE_CALLS.close():
+        _log.warning(
+            "exiting while %d llama.cpp call(s) still run after %.0fs: the process may crash at exit",
+            NATIVE_CALLS.inside,
+            EXIT_WAIT_SECONDS,
+        )
+
+
 def load_library() -> Any:
     """The llama_cpp ctypes module, initialised once (quiet unless its logger says otherwise)."""
     global _BACKEND_READY
@@ -73,6 +153,7 @@ def load_library() -> Any:
             if log.level == logging.NOTSET:  # llama.cpp prints every load step otherwise
                 log.setLevel(logging.CRITICAL)
             llama_cpp.llama_backend_init()
+            atexit.register(_close_native_calls)
             _BACKEND_READY = True
     return llama_cpp
 
@@ -165,7 +246,8 @@ class Context:
         size = int(lib.llama_state_seq_get_size(self._ctx, 0))
         buf = np.empty(size, dtype=np.uint8)
         pointer = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        written = int(lib.llama_state_seq_get_data(self._ctx, pointer, size, 0))
+        with NATIVE_CALLS.call(f"{self._model.name}: llama_state_seq_get_data"):
+            written = int(lib.llama_state_seq_get_data(self._ctx, pointer, size, 0))
         return buf[:written]
 
     def load_sequence(self, data: Any) -> bool:
@@ -173,7 +255,9 @@ class Context:
         llama.cpp refuses it (nothing is loaded then). The rows land in cells 0.. in position
         order, so the session's cell-order rule holds."""
         pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if int(self._lib.llama_state_seq_set_data(self._ctx, pointer, int(data.size), 0)) == 0:
+        with NATIVE_CALLS.call(f"{self._model.name}: llama_state_seq_set_data"):
+            loaded = int(self._lib.llama_state_seq_set_data(self._ctx, pointer, int(data.size), 0))
+        if loaded == 0:
             self.reset()
             return False
         return True
@@ -225,7 +309,8 @@ class Context:
                 outputs += wants
                 count += 1
             batch.n_tokens = count
-            status = int(lib.llama_decode(self._ctx, batch))
+            with NATIVE_CALLS.call(f"{model.name}: llama_decode"):
+                status = int(lib.llama_decode(self._ctx, batch))
             self.decode_calls += 1
             model.decode_calls += 1
             if status != 0:
@@ -250,8 +335,10 @@ class Context:
         return work
 
     def close(self) -> None:
-        self._lib.llama_batch_free(self._batch)
-        self._lib.llama_free(self._ctx)
+        """Free the context (skipped once the process is exiting: see :class:`NativeCalls`)."""
+        with contextlib.suppress(LlamaCppError), NATIVE_CALLS.call(f"{self._model.name}: llama_free"):
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ctx)
 
 
 def logsumexp(np: Any, row: Any) -> float:

@@ -31,6 +31,7 @@ from specem_core.backends.llama_cpp._binding import (
     CANDIDATE_ROOM,
     COMPACT_AFTER,
     DEFAULT_N_CTX,
+    NATIVE_CALLS,
     Context,
     LlamaCppError,
     default_threads,
@@ -325,7 +326,8 @@ class LlamaCppModel:
 
     def _copy_rows(self, context: Context, held: list[int]) -> None:
         try:
-            self.snapshots.add(held, context.save_sequence())
+            with contextlib.suppress(LlamaCppError):  # the process is exiting: no copy is needed
+                self.snapshots.add(held, context.save_sequence())
         finally:
             context.copying.release()
             with self._pool_cond:
@@ -449,7 +451,14 @@ class LlamaCppModel:
         return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
 
     def close(self) -> None:
-        """Free the pooled contexts and the weights (contexts still in use are freed on release)."""
+        """Free the pooled contexts and the weights (contexts still in use are freed on release).
+
+        Once the process is exiting (after the ``atexit`` handler of
+        :class:`~specem_core.backends.llama_cpp._binding.NativeCalls`) nothing is freed: the memory
+        goes with the process, and a daemon thread stopped by the interpreter's finalization may
+        still hold this model's locks."""
+        if NATIVE_CALLS.closed:
+            return
         self.settle(timeout=10.0)
         with self._pool_cond:
             if self._closed:
@@ -462,7 +471,8 @@ class LlamaCppModel:
         self.prefixes.clear()
         self.snapshots.clear()
         if self._in_use == 0:
-            self.lib.llama_model_free(self.handle)
+            with contextlib.suppress(LlamaCppError), NATIVE_CALLS.call(f"{self.name}: llama_model_free"):
+                self.lib.llama_model_free(self.handle)
 
     def __del__(self) -> None:  # pragma: no cover - depends on garbage collection
         with contextlib.suppress(Exception):
