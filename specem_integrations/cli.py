@@ -448,7 +448,21 @@ def _engine(args: argparse.Namespace, err: TextIO) -> tuple[SpecEM, Preset | Non
         device=args.device,
         member_kwargs=_member_kwargs(args, err),
     )
+    _probe_servers(engine.members)
     return engine, preset
+
+
+def _probe_servers(members: list[Any]) -> None:
+    """Probe server members now, so that what they lack (a chat template: a warning naming
+    ``tokenizer=``) is said at start-up; a server that does not answer is left to the engine,
+    which excludes its member from the request."""
+    from specem_core.errors import SpecEMError
+
+    for member in members:
+        probe = getattr(member, "probe", None)
+        if callable(probe):
+            with contextlib.suppress(SpecEMError):
+                probe()
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:

@@ -745,8 +745,10 @@ def faulty(kind: str, stage: str) -> httpx.MockTransport:
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
         is_score = bool(body.get("echo"))
-        is_probe = "Count from 1 to 40" in body.get("prompt", "") or request.url.path.endswith("/models")
-        hit = not is_probe and (is_score if stage == "score" else not body.get("echo"))
+        prompt = body.get("prompt", "")
+        is_probe = (isinstance(prompt, str) and "Count from 1 to 40" in prompt) or request.url.path.endswith("/models")
+        is_completion = request.url.path.endswith("/completions")  # not the tokenizer endpoints
+        hit = is_completion and not is_probe and (is_score if stage == "score" else not body.get("echo"))
         if not hit:
             return inner(request)
         if kind == "timeout":

@@ -133,6 +133,8 @@ class OpenAIHTTPMember:
             ``chat_template`` is given: a tokenizer (or a directory / id to load one from) or
             ``None`` (:func:`specem_core.registry.load_member` passes
             :func:`~specem_core.registry.served_model_template`).
+        server_prompt: without a local template, let a server that renders conversations give the
+            prompt text (vLLM); ``False`` keeps the plain format (the behaviour before it did).
         end_of_turn: the end-of-turn token text for EOS voting (default: from the tokenizer).
         context_window: tokens the server accepts (default: what ``/v1/models`` reports).
         capabilities: skip probing and use these.
@@ -163,6 +165,7 @@ class OpenAIHTTPMember:
         tokenizer: Any = None,
         chat_template: str | None = None,
         template_resolver: Callable[[str], Any] | None = None,
+        server_prompt: bool = True,
         end_of_turn: str | None = None,
         context_window: int | None = None,
         capabilities: ServerCapabilities | None = None,
@@ -210,6 +213,7 @@ class OpenAIHTTPMember:
         self._stop_ids: list[int] = []
         self._end_of_turn_arg = end_of_turn
         self._template_resolver = template_resolver if tokenizer is None and chat_template is None else None
+        self._server_prompt = server_prompt
         self._use_tokenizer(tokenizer, chat_template)
         self.judge_options: JudgeOptions = judge if judge is not None else JudgeOptions()
         self._caps = capabilities
@@ -497,7 +501,7 @@ class OpenAIHTTPMember:
         if caps.completions and caps.echo_logprobs and caps.echo_shift is not None:
             paths.append("echo")
         caps = replace(caps, score_paths=tuple(paths))
-        exact_prompt = self.chat is not None or caps.renders_messages
+        exact_prompt = self.prompt_source_for(caps) != "plain"
         need_chat = (
             not caps.completions
             or self.draft_mode in ("chat_prefill", "chat_continue")
@@ -525,7 +529,7 @@ class OpenAIHTTPMember:
             token_list(await self.client.request_json("POST", f"{root}/extras/tokenize", {"input": "Hi"}, retries=1))
             return replace(caps, tokenize="llama-cpp-python")
         except HTTPMemberError as exc:
-            if is_fatal(exc):
+            if _unreachable(exc):
                 raise
             return replace(caps, notes=(*caps.notes, f"tokenizer endpoint unavailable ({exc.status})"))
 
@@ -533,11 +537,11 @@ class OpenAIHTTPMember:
         """vLLM: the log-prob of a named next token after a token-id prompt (``logprob_token_ids``),
         tried on the probe's answer the way scoring asks for it."""
         prompt, _ = self._probe_text()
-        scorer = TokenScorer(self, "next_token", add_special_tokens=self.chat is None)
+        scorer = TokenScorer(self, "next_token", add_special_tokens=self.chat is None, count_in_member=False)
         try:
             scored = await scorer.score(prompt, PROBE_ANSWER, None)
         except HTTPMemberError as exc:
-            if is_fatal(exc):
+            if _unreachable(exc):
                 raise
             return replace(caps, notes=(*caps.notes, f"next-token log-probs unavailable: {exc}"))
         if scored is None:
@@ -555,11 +559,11 @@ class OpenAIHTTPMember:
         """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
         log-prob; tried on the probe's answer the way scoring asks for it."""
         prompt, _ = self._probe_text()
-        scorer = TokenScorer(self, "forced", add_special_tokens=True)
+        scorer = TokenScorer(self, "forced", add_special_tokens=True, count_in_member=False)
         try:
             scored = await scorer.score(prompt, PROBE_ANSWER, None)
         except HTTPMemberError as exc:
-            if is_fatal(exc):
+            if _unreachable(exc):
                 raise
             return replace(caps, notes=(*caps.notes, f"forced scoring unavailable: {exc}"))
         if scored is None:
@@ -570,7 +574,7 @@ class OpenAIHTTPMember:
         """Where the prompt text comes from with these capabilities (see :attr:`prompt_source`)."""
         if self.chat is not None:
             return "local"
-        return "server" if caps.renders_messages else "plain"
+        return "server" if caps.renders_messages and self._server_prompt else "plain"
 
     def _probe_text(self) -> tuple[str, str]:
         prompt = self.render_prompt([{"role": "user", "content": PROBE_QUESTION}], None)
@@ -678,3 +682,9 @@ class OpenAIHTTPMember:
 def _default_name(base_url: str) -> str:
     parts = urlsplit(base_url)
     return parts.netloc or base_url
+
+
+def _unreachable(exc: HTTPMemberError) -> bool:
+    """Probe failures of an optional feature that still end the probe: no answer, or no access (any
+    other error only means the server lacks the feature)."""
+    return exc.status is None or exc.status in (401, 403, 407)

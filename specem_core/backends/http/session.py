@@ -101,6 +101,12 @@ class OpenAIHTTPSession(MemberSession):
         return math.ceil(len(text) / self._chars_per_token) if text else 0
 
     @property
+    def prompt(self) -> str:
+        """The prompt text this member drafts and scores on (its own template, the server's
+        rendering, or the plain format)."""
+        return self._prompt
+
+    @property
     def prompt_tokens(self) -> int:
         """Prompt length in this member's tokens (exact with a local tokenizer, else reported by
         the server after the first draft, else estimated)."""

@@ -188,7 +188,13 @@ class TokenScorer:
     """
 
     def __init__(
-        self, member: ServerMember, path: ScorePath, add_special_tokens: bool, counts: ScoreCounts | None = None
+        self,
+        member: ServerMember,
+        path: ScorePath,
+        add_special_tokens: bool,
+        counts: ScoreCounts | None = None,
+        *,
+        count_in_member: bool = True,
     ) -> None:
         if path not in ("next_token", "forced"):
             raise ValueError(f"TokenScorer serves next_token and forced, not {path!r}")
@@ -202,6 +208,7 @@ class TokenScorer:
         self._pending: dict[tuple[int, ...], asyncio.Future[float]] = {}
         self.draft: DraftTokens | None = None
         self.counts = counts if counts is not None else ScoreCounts()
+        self._stats = member.stats if count_in_member else None
 
     def new_round(self) -> None:
         """Forget the last round's tokens (the committed answer changed)."""
@@ -316,7 +323,7 @@ class TokenScorer:
             **m.greedy_body(),
         )
         answer = await m.client.post("/completions", payload)
-        self.counts.add(answer, m.stats)
+        self.counts.add(answer, self._stats)
         return next_token_logprob(answer, ids[-1])
 
     async def _forced(
@@ -345,13 +352,13 @@ class TokenScorer:
             **m.greedy_body(),
         )
         chunks = await m.client.post("/completions", payload, events=True)
-        self.counts.add({"usage": {"prompt_tokens": start}}, m.stats)
+        self.counts.add({"usage": {"prompt_tokens": start}}, self._stats)
         try:
             return forced_logprobs(chunks, len(tail))
         except AlignmentError:  # cut short by another client's request: once more, not streamed
             payload["stream"] = False
             answer = await m.client.post("/completions", payload)
-            self.counts.add({"usage": {"prompt_tokens": start}}, m.stats)
+            self.counts.add({"usage": {"prompt_tokens": start}}, self._stats)
             return forced_logprobs([answer], len(tail))
 
 
