@@ -205,8 +205,16 @@ def alone_asker(server: LlamaServer, model: str) -> Any:
                     parts.append(delta)
         text = "".join(parts)
         seconds = time.perf_counter() - start_time
-        tokens = usage.get("completion_tokens") or len(text.split())
+        tokens = usage.get("completion_tokens") or count_tokens(text)
         return {"seconds": seconds, "first_segment": first, "completion_tokens": tokens, "text": text}, text
+
+    def count_tokens(text: str) -> int:
+        """The answer's tokens, by the server's own tokenizer (llama-cpp-python streams no usage)."""
+        if not text:
+            return 0
+        root = server.base_url.removesuffix("/v1")
+        answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
+        return len(answer["tokens"])
 
     return ask
 
@@ -371,7 +379,7 @@ def main() -> None:
         parser.error("no vLLM environment: run bash scripts/install_vllm_cpu.sh (or set SPECEM_VLLM_PYTHON)")
     if args.smoke:
         args.rows = args.rows or ["alone:smollm2", "one:smollm2", "pair:smollm2+smollm2"]
-        args.turns, args.context_lines, args.max_tokens, args.segment_len = 2, 6, 8, 4
+        args.turns, args.context_lines, args.max_tokens, args.segment_len = 2, 3, 8, 4
         args.workloads, args.before = ["rag"], True
     rows_wanted = args.rows or DEFAULT_ROWS[args.server]
     out_path = args.out or (

@@ -355,11 +355,12 @@ class OpenAIHTTPMember:
                 self.can_verify = False
         if self.prompt_source == "plain" and (self.can_draft or verify == "logprobs"):
             log.warning(
-                "%s: no chat template for model %r: it is not a packaged model, a local tokenizer or an HF id "
-                "in the local cache, and the server does not render conversations; drafts go through %s and "
-                "scores use the plain prompt format, so the text is not the model's own at segment boundaries. "
-                "Pass tokenizer=<HF id or tokenizer directory> (load_member / OpenAIHTTPMember), or serve the "
-                "model under the name of a packaged model or of an HF id in the local cache.",
+                "%s: no chat template for model %r: none was given, none was found for the served model id on "
+                "this machine (a packaged model's name, a .gguf file, a tokenizer directory, an HF id in the "
+                "local cache), and the server does not render conversations; drafts go through %s and scores "
+                "use the plain prompt format, so the text is not the model's own at segment boundaries. Pass "
+                "tokenizer=<HF id or tokenizer directory> (load_member / OpenAIHTTPMember), or serve the model "
+                "under the name of a packaged model or of an HF id in the local cache.",
                 self.name,
                 self.model,
                 draft if self.can_draft else "no draft",
