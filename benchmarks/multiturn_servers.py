@@ -39,7 +39,8 @@ the 0.5B and SmolLM2.
 Per turn: seconds, completion tokens, the text, and per member the drafts and verifications with
 the prompt tokens each read from the server's cache. Summary per row: seconds per completion
 token over turns >= 2 and its ratio to the server alone of the row's strongest member, the first
-turn's ratio, and the share of each verification's prompt read from the cache (the smallest).
+turn's ratio, the share of each verification's prompt read from the cache (the smallest), and for
+``one:`` rows whether each turn's text is the server alone's.
 Writes ``benchmarks/results/multiturn_servers_<server>.json`` (``--out``). Alone on the machine
 for figures (the lead runs them); timings under load are indicative only.
 """
@@ -322,8 +323,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for m in rec.get("members", {}).values()
                 if m.get("verify_min_cached_share") is not None
             ]
+            same_text = None
+            if r["row"].startswith("one:") and peer is not None and peer.get(workload):
+                same_text = [a["text"] == b["text"] for a, b in zip(records, peer[workload], strict=False)]
             entry[workload] = {
                 "turn_seconds": [round(rec["seconds"], 2) for rec in records],
+                "same_text_as_alone": same_text,
                 "completion_tokens": [rec["completion_tokens"] for rec in records],
                 "seconds_per_token_turns_2_plus": mine,
                 "vs_strongest_alone": (mine / theirs) if mine and theirs else None,
@@ -355,7 +360,8 @@ def table(summary: list[dict[str, Any]]) -> None:
             share = f"{d['verify_min_cached_share']:.0%}" if d["verify_min_cached_share"] is not None else "-"
             spt = d["seconds_per_token_turns_2_plus"] or 0.0
             line = f"{e['row']:<20} {e['path']:<7} {w:<6} {spt:>12.3f} {ratio:>9} {first:>9}"
-            print(f"{line} {share:>13}  {d['turn_seconds']}")
+            same = "" if d["same_text_as_alone"] is None else f"  same text as alone: {d['same_text_as_alone']}"
+            print(f"{line} {share:>13}  {d['turn_seconds']}{same}")
 
 
 def main() -> None:
