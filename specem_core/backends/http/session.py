@@ -345,7 +345,12 @@ class OpenAIHTTPSession(MemberSession):
         if m.strict_scoring:
             raise AlignmentError("the end-of-turn log-prob is unknown on this server (no aligned echo)")
         m.stats.inexact_tokens += 1
-        log.warning("%s: end-of-turn log-prob unknown on this server; scored the text only", m.name)
+        if m.stats.inexact_tokens == 1:  # once per member: every finished candidate repeats it
+            log.warning(
+                "%s: end-of-turn log-prob unknown on this server (it lists no generated end of turn and its "
+                "echo is not aligned); finished candidates are scored on their text (member.stats.inexact_tokens)",
+                m.name,
+            )
         if not cand.text:
             return None
         return await scorer.score(self._prompt + self._text, cand.text, None)
