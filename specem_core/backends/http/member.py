@@ -490,9 +490,20 @@ class OpenAIHTTPMember:
             caps = await self._probe_echo(caps)
         if kind in ("vllm", "llama-cpp-python"):
             caps = await self._probe_tokenizer(caps, kind)
-        if caps.completions and caps.tokenize == "vllm" and self.can_verify:
+        scores = self.can_verify and self.verify_mode != "judge"
+        if (
+            scores
+            and caps.completions
+            and caps.tokenize == "vllm"
+            and self.verify_mode in ("auto", "logprobs", "next_token")
+        ):
             caps = await self._probe_next_token(caps)
-        if caps.completions and caps.tokenize == "llama-cpp-python" and self.can_verify:
+        if (
+            scores
+            and caps.completions
+            and caps.tokenize == "llama-cpp-python"
+            and self.verify_mode in ("auto", "logprobs", "forced")
+        ):
             caps = await self._probe_forced(caps)
         paths: list[ScorePath] = []
         if caps.next_token_logprobs:
