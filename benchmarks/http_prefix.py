@@ -6,10 +6,11 @@ Starts vLLM on the packaged SmolLM2 (automatic prefix caching is on by default i
 ``--enable-prompt-tokens-details`` makes it report ``usage.prompt_tokens_details.cached_tokens``),
 runs a two-turn conversation over a ~1k-token context through SpecEM with that server as its member
 (two members on it, so that each round also verifies the other's candidate), and records every
-call the members make: its kind (a draft, or a verification: ``echo`` with prompt log-probs), its
-prompt tokens and the tokens the server read from its cache. vLLM turns ``echo`` + ``logprobs``
-into prompt log-probs and then skips *reading* its prefix cache (``skip_reading_prefix_cache``),
-so drafts should hit the cache and verifications should not.
+call the members make: its kind (a draft, or a verification: ``echo`` with prompt log-probs, or a
+next-token request), its prompt tokens and the tokens the server read from its cache. vLLM turns
+``echo`` + ``logprobs`` into prompt log-probs and then skips *reading* its prefix cache
+(``skip_reading_prefix_cache``), so with ``--verify-mode echo`` (the path before #62) drafts hit
+the cache and verifications do not; the default path (``next_token``) reads it for both.
 Writes ``benchmarks/results/http_prefix_vllm.json`` (``--out``).
 """
 
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--context-lines", type=int, default=36)
     parser.add_argument("--max-tokens", type=int, default=20)
+    parser.add_argument("--verify-mode", default="auto", help="the members' verify_mode (echo: the path before #62)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/http_prefix_vllm.json"))
     args = parser.parse_args()
 
@@ -52,7 +54,13 @@ def main() -> None:
         calls.append(
             {
                 "path": path,
-                "kind": "verify" if payload.get("echo") else "draft",
+                "kind": (
+                    "verify"
+                    if payload.get("echo") or payload.get("logprob_token_ids")
+                    else "draft"
+                    if path.endswith("completions")
+                    else "tokenize"
+                ),
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "cached_tokens": details.get("cached_tokens", 0),
                 "seconds": round(time.perf_counter() - start, 3),
@@ -64,7 +72,7 @@ def main() -> None:
     server = start_vllm_server(args.model, max_model_len=4096, extra_args=["--enable-prompt-tokens-details"])
     try:
         spec = f"openai:{server.base_url}#{server.alias}"
-        members = [load_member(spec, name="a"), load_member(spec, name="b")]
+        members = [load_member(spec, name=n, verify_mode=args.verify_mode) for n in ("a", "b")]
         engine = SpecEM(members, SpecEMConfig(max_new_tokens=args.max_tokens, segment_len=10))
         messages = [
             {"role": "system", "content": "Answer from this context only.\n\n" + context_document(args.context_lines)},
@@ -99,7 +107,8 @@ def main() -> None:
     finally:
         server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"server": "vllm", "model": args.model, "turns": turns}, indent=1) + "\n")
+    result = {"server": "vllm", "model": args.model, "verify_mode": args.verify_mode, "turns": turns}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

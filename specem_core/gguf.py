@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,44 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
                 return _parse(p, reader, version)
             except _Truncated as exc:
                 raise ModelNotFoundError(_truncated(p, exc.needed, size)) from None
+        finally:
+            buf.close()
+
+
+def read_token_texts(path: str | os.PathLike[str], ids: Iterable[int]) -> dict[int, str]:
+    """The texts of the tokens ``ids`` in a GGUF file's vocabulary (``tokenizer.ggml.tokens``):
+    the special tokens a chat template writes (BOS, end of turn) without loading a tokenizer.
+    Ids outside the vocabulary are left out.
+
+    Raises:
+        ModelNotFoundError: as :func:`validate_gguf`.
+    """
+    wanted = {int(i) for i in ids}
+    info = validate_gguf(path)  # a file that passes this one parses below
+    with Path(path).open("rb") as handle:
+        buf: Any = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            r = _Reader(buf, info.file_size, "<" if info.byte_order == "little" else ">")
+            r.pos = 8
+            r.u64()  # tensors
+            for _ in range(r.u64()):
+                key = r.string()
+                value_type = r.u32()
+                if key != "tokenizer.ggml.tokens" or value_type != _ARRAY:
+                    _value(info.path, r, value_type, key)
+                    continue
+                if r.u32() != _STRING:
+                    return {}
+                out: dict[int, str] = {}
+                for i in range(r.u64()):
+                    if i in wanted:
+                        out[i] = r.string()
+                        if len(out) == len(wanted):
+                            break
+                    else:
+                        r.skip_strings(1)
+                return out
+            return {}
         finally:
             buf.close()
 

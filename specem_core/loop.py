@@ -29,7 +29,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specem_core.backends.base import CachingSession, Member, MemberSession, SamplingParams, SessionRequest, draft_cost
+from specem_core.backends.base import (
+    CachingSession,
+    Member,
+    MemberSession,
+    SamplingParams,
+    ServerSession,
+    SessionRequest,
+    draft_cost,
+)
 from specem_core.candidates import constrain, to_line_end
 from specem_core.config import SpecEMConfig
 from specem_core.errors import MemberError
@@ -453,6 +461,8 @@ class Run:
             if isinstance(s, CachingSession):
                 self.usage[i].cached_tokens = s.cached_tokens
                 self.usage[i].prefilled_tokens = s.prefilled_tokens
+            if isinstance(s, ServerSession):
+                self.usage[i].server = s.server_trace()
         ref = next((u for i, u in enumerate(self.usage) if i in self.sessions), self.usage[0])
         return GenerationResult(
             text=self.text,

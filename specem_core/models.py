@@ -290,6 +290,13 @@ def is_assembled(model: PackagedModel) -> bool:
     return bool(marker.get("sha256") == model.sha256 and marker.get("stamp") == _stamp(path))
 
 
+def local_gguf(model: PackagedModel) -> Path | None:
+    """The GGUF file of ``model`` when it is already on this machine (assembled, or a single
+    installed part); nothing is installed or assembled."""
+    path = _gguf_file(model)
+    return path if path is not None and path.is_file() else None
+
+
 def _gguf_file(model: PackagedModel) -> Path | None:
     if len(model.parts) == 1:
         return _part_path(model.parts[0])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from specem_core.errors import ConfigError, ModelNotFoundError
+from specem_core.gguf import read_token_texts, validate_gguf
 from specem_core.models import (
     DEFAULT_MODELS,
     PackagedModel,
@@ -27,6 +28,7 @@ from specem_core.models import (
     converted_path,
     find_packaged,
     is_converted,
+    local_gguf,
     log_stderr,
     packaged_gguf,
 )
@@ -147,6 +149,67 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
     return str(converted_path(packaged))
 
 
+def served_model_template(model: str) -> Any:
+    """The chat template (and tokenizer, when there is one) of a served model id that names
+    something on this machine, or ``None``: how a server member drafts exactly without
+    ``tokenizer=`` (:class:`~specem_core.backends.http.member.OpenAIHTTPMember` calls it with the
+    served model id after probing).
+
+    * a packaged model's name (``qwen2.5-coder-1.5b-instruct``, any alias, or its GGUF file name):
+      its converted tokenizer directory when converted, else the template its GGUF carries (no
+      conversion; nothing is installed or assembled here);
+    * a local ``.gguf`` file (llama.cpp's servers list the model's path): the template it carries;
+    * a local tokenizer directory, or a Hugging Face id in the local cache: that tokenizer.
+    """
+    text = model.strip()
+    if not text:
+        return None
+    packaged = find_packaged(text) or find_packaged(Path(text).name.removesuffix(".gguf"))
+    if packaged is not None:
+        if is_converted(packaged):
+            return str(converted_path(packaged))
+        path = local_gguf(packaged)
+        return _gguf_template(path) if path is not None else None
+    local = Path(text).expanduser()
+    if text.endswith(".gguf") and local.is_file():
+        return _gguf_template(local)
+    if local.is_dir() and (local / "tokenizer_config.json").is_file():
+        return str(local)
+    if "/" in text and not text.startswith(("/", ".", "~")) and importlib.util.find_spec("transformers") is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(text, local_files_only=True)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _gguf_template(path: Path) -> Any:
+    """A GGUF file's chat template with the special tokens it writes, as a tokenizer stand-in
+    (:class:`~specem_core.backends.http.tokenizer.TemplateOnly`); ``None`` without a template."""
+    from specem_core.backends.http.tokenizer import TemplateOnly
+    from specem_core.chat_format import ChatFormat
+
+    try:
+        info = validate_gguf(path)
+    except ModelNotFoundError:
+        return None
+    if not info.chat_template:
+        return None
+    keys = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eos_token_id")
+    bos, eot, eos = (info.metadata.get(k) for k in keys)
+    ids = [i for i in (bos, eot, eos) if isinstance(i, int) and not isinstance(i, bool)]
+    texts = read_token_texts(path, ids)
+    bos_text, eos_text = texts.get(bos, "") if bos is not None else "", texts.get(eos, "") if eos is not None else ""
+    after = ChatFormat(TemplateOnly(info.chat_template, bos_text, eos_text)).end_of_turn_text() or ""
+    ends = [(i, texts[i]) for i in (eot, eos) if i is not None and i in texts and texts[i]]
+    end_of_turn = next((t for _, t in ends if after.startswith(t)), None)
+    return TemplateOnly(
+        info.chat_template, bos_text, eos_text, end_of_turn=end_of_turn, stop_ids=tuple(sorted({i for i, _ in ends}))
+    )
+
+
 def load_member(
     spec: str,
     *,
@@ -223,6 +286,8 @@ def _load_http(
     options: dict[str, Any] = dict(kwargs)
     if "tokenizer" in options:
         options["tokenizer"] = resolve_tokenizer(options["tokenizer"])
+    elif "chat_template" not in options and resolved.source.startswith("openai:"):
+        options.setdefault("template_resolver", served_model_template)
     if name is not None:
         options["name"] = name
     if can_draft is not None:

@@ -207,6 +207,10 @@ class MemberUsage:
     prefilled_tokens: int = 0
     """Tokens this member ran through its model to build the request's prefix (the prompt less
     ``cached_tokens``, and committed text it caught up with in one batch)."""
+    server: dict[str, Any] | None = None
+    """Server members only: how the member worked with its server during the request (its draft
+    mode, scoring path, and the prompt tokens its drafts and verifications read from the server's
+    cache; ``OpenAIHTTPSession.server_trace``)."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ the default preset when no ``--model`` is given, else the members under the libr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from specem_core import __version__
-from specem_core.backends.base import BatchingMember
+from specem_core.backends.base import BatchingMember, ProbingMember
 from specem_core.config import SpecEMConfig, current_names
 from specem_core.errors import ConfigError, SpecEMError
 from specem_core.presets import (
@@ -463,7 +464,7 @@ def _engine(args: argparse.Namespace, err: TextIO, ensemble: _Ensemble) -> SpecE
     surface uses) from what :func:`_resolve` decided."""
     from specem_core.engine import SpecEM
 
-    return SpecEM.from_preset(
+    engine = SpecEM.from_preset(
         ensemble.preset,
         members=args.model,
         verifiers=args.verifier,
@@ -473,6 +474,18 @@ def _engine(args: argparse.Namespace, err: TextIO, ensemble: _Ensemble) -> SpecE
         device=args.device,
         member_kwargs=_member_kwargs(args, err),
     )
+    _probe_servers(engine.members)
+    return engine
+
+
+def _probe_servers(members: list[Any]) -> None:
+    """Probe server members now, so that what they lack (a chat template: a warning naming
+    ``tokenizer=``) is said at start-up; a server that does not answer is left to the engine,
+    which excludes its member from the request."""
+    for member in members:
+        if isinstance(member, ProbingMember):
+            with contextlib.suppress(SpecEMError):
+                member.probe()
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:

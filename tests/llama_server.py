@@ -91,8 +91,12 @@ def start_server(
     api_key: str | None = None,
     startup_timeout: float = 180.0,
     port: int | None = None,
+    verbose: bool = False,
 ) -> LlamaServer:
     """Start a server on loopback (``port``, or a free one) and wait until ``/v1/models`` answers.
+
+    ``verbose`` makes the server log what each request read from its prefix cache
+    (``Llama.generate: N prefix-match hit, remaining M prompt tokens to eval``; :func:`prefix_hits`).
 
     Starting again on the port of a server that was killed brings "the same server" back (the
     fault tests restart a member this way)."""
@@ -120,7 +124,7 @@ def start_server(
         "--logits_all",
         "true",
         "--verbose",
-        "false",
+        "true" if verbose else "false",
     ]
     if api_key:
         cmd += ["--api_key", api_key]

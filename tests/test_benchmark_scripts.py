@@ -40,6 +40,7 @@ MODES: dict[str, list[str]] = {
     "llama_cpp_prefill.py": ["--smoke --out {tmp}/out.json"],
     "memory.py": ["--members smollm2 --max-new-tokens 4 --concurrent 1 --out {tmp}/out.json"],
     "multiturn.py": ["--smoke --out {tmp}/out.json"],
+    "multiturn_servers.py": ["--smoke --out {tmp}/out.json"],
     "quality.py": ["run humaneval --configs smollm2 --limit 1", "report"],
     "serve_load.py": [
         "--clients 1 --max-tokens 4 --model smollm2 --prompts 1 --disconnect 1 --disconnect-tokens 8 --settle 0"

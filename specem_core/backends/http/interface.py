@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from specem_core.backends.base import SamplingParams
 from specem_core.backends.http.client import OpenAIClient
 from specem_core.backends.http.judge_prompt import JudgeOptions
-from specem_core.backends.http.probe import DraftMode, ServerCapabilities, VerifyMode
+from specem_core.backends.http.probe import DraftMode, PromptSource, ScorePath, ServerCapabilities, VerifyMode
 from specem_core.chat_format import ChatFormat
 
 
@@ -30,12 +30,24 @@ class MemberStats:
     """Candidates whose text addressed the judge (they forfeit that judge's vote)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per stage (draft / score)."""
+    score_requests: int = 0
+    """Requests sent to score candidates (every path)."""
+    score_prompt_tokens: int = 0
+    """Prompt tokens of those requests, as the server counted them."""
+    score_cached_tokens: int = 0
+    """Of those, read from the server's prefix cache (only where the server reports it)."""
+    draft_prompt_tokens: int = 0
+    draft_cached_tokens: int = 0
+    """The same for drafts."""
+    echo_fallbacks: int = 0
+    """Candidates a cache-reading path handed to the echo path (see ``token_scoring``)."""
 
 
 class ServerMember(Protocol):
     """The member a session drafts and scores for (:class:`~specem_core.backends.http.member.OpenAIHTTPMember`)."""
 
     name: str
+    model: str | None
     client: OpenAIClient
     tokenizer: Any
     chat: ChatFormat | None
@@ -44,9 +56,20 @@ class ServerMember(Protocol):
     strict_scoring: bool
     judge_options: JudgeOptions
     stats: MemberStats
+    score_path: ScorePath | None
+    prompt_source: PromptSource
 
     @property
     def modes(self) -> tuple[DraftMode, VerifyMode | None]: ...
+
+    @property
+    def add_special_tokens(self) -> bool: ...
+
+    def completion_fields(self) -> dict[str, Any]: ...
+
+    async def render_on_server(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[str, int]: ...
 
     @property
     def context_window(self) -> int | None: ...

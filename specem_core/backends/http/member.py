@@ -17,15 +17,27 @@ one :class:`~specem_core.backends.http.client.OpenAIClient` (transport, retries,
   its last words and go on, and the reply is spliced onto ``R`` at that overlap
   (:mod:`specem_core.backends.http.continuation`).
 
-**Verification** (``verify_mode="logprobs"``) scores a candidate exactly where the server exposes
-prompt log-probs (``echo`` + ``logprobs`` on ``/v1/completions``; vLLM and llama-cpp-python do):
-the request is ``prompt + R + candidate [+ end-of-turn]``, the candidate's tokens are located by
-character offsets (:mod:`specem_core.backends.http.alignment`), and the mean log-prob of exactly
-those tokens is the score. Servers expose log-probs, not raw logits, so an HTTP verifier's row is
-``softmax(mean log-probs)`` over the candidates (reported as ``CandidateScore.probability``;
-``mean_logprob`` is filled too, ``mean_logit`` is ``None``). ``verify_mode="judge"`` asks the
-model to pick the best labelled candidate instead
-(:func:`~specem_core.backends.http.judge_scoring.judge_scores`, prompts in
+Without a local template, a member whose served model id names something on this machine takes
+the template from there (``template_resolver``: :func:`specem_core.registry.served_model_template`
+resolves a packaged model's name from the template its GGUF carries, a local ``.gguf`` file, a
+tokenizer directory or an HF id in the local cache), and a server that renders conversations
+itself (vLLM's ``/tokenize`` with messages, then ``/detokenize``) gives the prompt text
+(``prompt_source="server"``): either way drafts go through ``/v1/completions`` and continue the
+committed tokens. Only without both does a member draft through chat completions, and it says so
+at start-up (a warning naming ``tokenizer=``).
+
+**Verification** (``verify_mode="logprobs"``, or ``auto``) scores a candidate exactly: the mean
+log-prob of its tokens after ``prompt + R``, on the fastest exact path the probe found
+(:data:`~specem_core.backends.http.probe.ScorePath`, in :attr:`ServerCapabilities.score_paths`;
+``verify_mode="echo"`` / ``"next_token"`` / ``"forced"`` forces one). ``next_token`` (vLLM) and
+``forced`` (llama-cpp-python) read the server's prefix cache
+(:mod:`specem_core.backends.http.token_scoring`); ``echo`` sends ``prompt + R + candidate
+[+ end-of-turn]`` with ``echo`` + ``logprobs``, locates the candidate's tokens by character offsets
+(:mod:`specem_core.backends.http.alignment`) and costs a whole prompt every time. Servers expose
+log-probs, not raw logits, so an HTTP verifier's row is ``softmax(mean log-probs)`` over the
+candidates (reported as ``CandidateScore.probability``; ``mean_logprob`` is filled too,
+``mean_logit`` is ``None``). ``verify_mode="judge"`` asks the model to pick the best labelled
+candidate instead (:func:`~specem_core.backends.http.judge_scoring.judge_scores`, prompts in
 :mod:`specem_core.backends.http.judge_prompt`; :class:`~specem_core.backends.http.judge.APIJudgeMember`
 is a member that only judges).
 
@@ -69,18 +81,23 @@ from specem_core.backends.http.probe import (
     PREFILL_ANSWER,
     PROBE_ANSWER,
     PROBE_QUESTION,
+    SCORE_PATHS,
     DraftMode,
     MaxTokensZero,
+    PromptSource,
+    ScorePath,
     ServerCapabilities,
     ServerKind,
     VerifyMode,
     context_from_models,
     decide_shift,
     is_fatal,
+    root_url,
     server_kind,
 )
 from specem_core.backends.http.responses import chat_content, chat_top_logprobs, first_choice
 from specem_core.backends.http.session import OpenAIHTTPSession
+from specem_core.backends.http.token_scoring import TokenScorer, token_list
 from specem_core.backends.http.tokenizer import TemplateOnly, end_of_turn_token, load_tokenizer, stop_token_ids
 from specem_core.chat_format import ChatFormat, flatten_tool_turns, render_plain, with_tool_instructions
 
@@ -100,16 +117,24 @@ class OpenAIHTTPMember:
         name: unique name in the ensemble (default: the model id).
         api_key, headers, timeout, retry: see :class:`OpenAIClient`.
         can_draft, can_verify: roles in the ensemble.
-        draft_mode: ``auto`` picks ``completions`` when a chat template is known locally, else
-            ``chat_prefill`` when the server supports it, else ``chat_continue``, else plain-format
-            completions.
-        verify_mode: ``auto`` picks ``logprobs`` (exact, needs echo log-probs) and falls back to
-            ``judge``; a member whose server supports neither stops verifying (logged).
+        draft_mode: ``auto`` picks ``completions`` when the prompt text is exact (a chat template
+            known locally, or rendered by the server), else ``chat_prefill`` when the server
+            supports it, else ``chat_continue``, else plain-format completions.
+        verify_mode: ``auto`` scores exactly on the fastest path the server offers and falls back
+            to ``judge``; ``logprobs`` insists on an exact path; ``echo``, ``next_token`` or
+            ``forced`` names one (:data:`~specem_core.backends.http.probe.ScorePath`); a member
+            whose server supports none stops verifying (logged).
         tokenizer: a tokenizer object, a tokenizer directory or a Hugging Face id: the source of
             the chat template (and of exact token counts). For a packaged model name
             (``"smollm2"``) pass :func:`specem_core.registry.resolve_tokenizer` of it, or build the
             member with ``load_member("openai:…", tokenizer="smollm2")``, which does that.
         chat_template: a Jinja template (overrides the tokenizer's).
+        template_resolver: called with the served model id when neither ``tokenizer`` nor
+            ``chat_template`` is given: a tokenizer (or a directory / id to load one from) or
+            ``None`` (:func:`specem_core.registry.load_member` passes
+            :func:`~specem_core.registry.served_model_template`).
+        server_prompt: without a local template, let a server that renders conversations give the
+            prompt text (vLLM); ``False`` keeps the plain format (the behaviour before it did).
         end_of_turn: the end-of-turn token text for EOS voting (default: from the tokenizer).
         context_window: tokens the server accepts (default: what ``/v1/models`` reports).
         capabilities: skip probing and use these.
@@ -139,6 +164,8 @@ class OpenAIHTTPMember:
         verify_mode: VerifyMode = "auto",
         tokenizer: Any = None,
         chat_template: str | None = None,
+        template_resolver: Callable[[str], Any] | None = None,
+        server_prompt: bool = True,
         end_of_turn: str | None = None,
         context_window: int | None = None,
         capabilities: ServerCapabilities | None = None,
@@ -154,7 +181,7 @@ class OpenAIHTTPMember:
     ) -> None:
         if draft_mode not in ("auto", "completions", "chat_prefill", "chat_continue"):
             raise ValueError(f"unknown draft_mode {draft_mode!r}")
-        if verify_mode not in ("auto", "logprobs", "judge"):
+        if verify_mode not in ("auto", "logprobs", "judge", *SCORE_PATHS):
             raise ValueError(f"unknown verify_mode {verify_mode!r}")
         self.client = OpenAIClient(
             base_url,
@@ -180,21 +207,36 @@ class OpenAIHTTPMember:
         self._server_override = server
         self._context_window = context_window
         self.stats = MemberStats()
+        self.tokenizer: Any = None
+        self.chat: ChatFormat | None = None
+        self.end_of_turn: str | None = None
+        self._stop_ids: list[int] = []
+        self._end_of_turn_arg = end_of_turn
+        self._template_resolver = template_resolver if tokenizer is None and chat_template is None else None
+        self._server_prompt = server_prompt
+        self._use_tokenizer(tokenizer, chat_template)
+        self.judge_options: JudgeOptions = judge if judge is not None else JudgeOptions()
+        self._caps = capabilities
+        self._kind: ServerKind = "generic"
+        self._probe_lock = threading.Lock()
+        self._resolved: tuple[DraftMode, VerifyMode | None] | None = None
+        self.score_path: ScorePath | None = None
+        """The exact scoring path in use (resolved by the probe; ``None`` for the judge)."""
+        self.prompt_source: PromptSource = "local" if self.chat is not None else "plain"
+        """Where the prompt text comes from (resolved by the probe)."""
+
+    def _use_tokenizer(self, tokenizer: Any, chat_template: str | None) -> None:
+        """Take the chat template (and token counts) from ``tokenizer`` / ``chat_template``."""
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = load_tokenizer(tokenizer)
         if tokenizer is None and chat_template is not None:
             tokenizer = TemplateOnly(chat_template)
         self.tokenizer = tokenizer
-        self.chat: ChatFormat | None = ChatFormat(tokenizer, chat_template) if tokenizer is not None else None
+        self.chat = ChatFormat(tokenizer, chat_template) if tokenizer is not None else None
         if self.chat is not None and not self.chat.uses_template:
             self.chat = None if isinstance(tokenizer, TemplateOnly) else self.chat
-        self.end_of_turn = end_of_turn or (end_of_turn_token(self.chat, tokenizer) if self.chat else None)
-        self.judge_options: JudgeOptions = judge if judge is not None else JudgeOptions()
-        self._caps = capabilities
-        self._kind: ServerKind = "generic"
+        self.end_of_turn = self._end_of_turn_arg or (end_of_turn_token(self.chat, tokenizer) if self.chat else None)
         self._stop_ids = stop_token_ids(tokenizer, self.end_of_turn)
-        self._probe_lock = threading.Lock()
-        self._resolved: tuple[DraftMode, VerifyMode | None] | None = None
 
     # -- Member protocol ---------------------------------------------------------------------
     @property
@@ -266,9 +308,10 @@ class OpenAIHTTPMember:
     def _resolve(self, caps: ServerCapabilities) -> tuple[DraftMode, VerifyMode | None]:
         if self.model is None and caps.model is not None:
             self.model = caps.model
+        self.prompt_source = self.prompt_source_for(caps)
         draft: DraftMode = self.draft_mode
         if draft == "auto":
-            if caps.completions and self.chat is not None:
+            if caps.completions and self.prompt_source != "plain":
                 draft = "completions"
             elif caps.chat_prefill:
                 draft = "chat_prefill"
@@ -287,20 +330,41 @@ class OpenAIHTTPMember:
             if not need[draft]:
                 raise CapabilityError(f"{self.name}: draft_mode={draft!r} is not supported by the server")
         verify: VerifyMode | None = None
+        self.score_path = None
         if self.can_verify:
-            exact = caps.completions and caps.echo_logprobs and caps.echo_shift is not None
+            exact = caps.score_paths
             judge_ok = bool(caps.chat and caps.chat_logprobs)
-            if self.verify_mode == "logprobs" and not exact:
-                raise CapabilityError(f"{self.name}: verify_mode='logprobs' needs usable echo log-probs")
-            if self.verify_mode == "judge" and not judge_ok:
+            mode = self.verify_mode
+            if mode in SCORE_PATHS and mode not in exact:
+                offered = ", ".join(exact) or "no exact path"
+                raise CapabilityError(f"{self.name}: verify_mode={mode!r} is not supported by the server ({offered})")
+            if mode == "logprobs" and not exact:
+                raise CapabilityError(f"{self.name}: verify_mode='logprobs' needs an exact scoring path (none found)")
+            if mode == "judge" and not judge_ok:
                 raise CapabilityError(f"{self.name}: verify_mode='judge' needs chat completions with logprobs")
-            if self.verify_mode == "auto":
-                verify = "logprobs" if exact else ("judge" if judge_ok else None)
-                if verify is None:
-                    log.warning("%s: the server exposes no log-probs; the member will not verify", self.name)
-                    self.can_verify = False
+            if mode == "judge":
+                verify = "judge"
+            elif mode in SCORE_PATHS:
+                verify, self.score_path = "logprobs", next(p for p in SCORE_PATHS if p == mode)
+            elif exact:
+                verify, self.score_path = "logprobs", exact[0]
+            elif mode == "auto" and judge_ok:
+                verify = "judge"
             else:
-                verify = self.verify_mode
+                log.warning("%s: the server exposes no log-probs; the member will not verify", self.name)
+                self.can_verify = False
+        if self.prompt_source == "plain" and (self.can_draft or verify == "logprobs"):
+            log.warning(
+                "%s: no chat template for model %r: none was given, none was found for the served model id on "
+                "this machine (a packaged model's name, a .gguf file, a tokenizer directory, an HF id in the "
+                "local cache), and the server does not render conversations; drafts go through %s and scores "
+                "use the plain prompt format, so the text is not the model's own at segment boundaries. Pass "
+                "tokenizer=<HF id or tokenizer directory> (load_member / OpenAIHTTPMember), or serve the model "
+                "under the name of a packaged model or of an HF id in the local cache.",
+                self.name,
+                self.model,
+                draft if self.can_draft else "no draft",
+            )
         return draft, verify
 
     # -- request bodies ----------------------------------------------------------------------
@@ -345,6 +409,36 @@ class OpenAIHTTPMember:
         out.update(self.extra_body)
         return out
 
+    @property
+    def add_special_tokens(self) -> bool:
+        """Whether a text prompt gets the tokenizer's special tokens (BOS) added: not when a chat
+        template wrote them (vLLM's ``add_special_tokens``; llama.cpp servers decide themselves)."""
+        return self.prompt_source == "plain"
+
+    def completion_fields(self) -> dict[str, Any]:
+        """Fields every text-prompt ``/v1/completions`` request carries in the server's dialect."""
+        if self._server() == "vllm" and not self.add_special_tokens:
+            return {"add_special_tokens": False}
+        return {}
+
+    async def render_on_server(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> tuple[str, int]:
+        """The prompt text the server's own chat template makes of ``messages`` and its token count
+        (vLLM: ``/tokenize`` with messages, then ``/detokenize``)."""
+        root = root_url(self.base_url)
+        body: dict[str, Any] = {"messages": self.chat_messages(messages, tools), "add_generation_prompt": True}
+        if self.model is not None:
+            body["model"] = self.model
+        ids = token_list(await self.client.post(f"{root}/tokenize", body))
+        detok: dict[str, Any] = {"tokens": ids}
+        if self.model is not None:
+            detok["model"] = self.model
+        text = (await self.client.post(f"{root}/detokenize", detok)).get("prompt")
+        if not isinstance(text, str):
+            raise ServerResponseError("detokenize answer has no prompt text")
+        return text, len(ids)
+
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
         """The member's own prompt text (chat template when known, else the plain format)."""
         if self.chat is not None:
@@ -383,21 +477,116 @@ class OpenAIHTTPMember:
             first = entries[0].get("id")
             model = str(first) if first is not None else None
             self.model = model
+        if self.chat is None and self._template_resolver is not None and model:
+            found = self._template_resolver(model)
+            if found is not None:
+                self._use_tokenizer(found, None)
+                if self.chat is not None:
+                    notes.append(f"chat template of {model!r} found on this machine")
         caps = ServerCapabilities(server=kind, model=model, context_window=context_from_models(entries, model))
         caps = replace(caps, notes=tuple(notes))
-        need_completions = self.draft_mode in ("auto", "completions") or self.verify_mode in ("auto", "logprobs")
+        need_completions = self.draft_mode in ("auto", "completions") or self.verify_mode not in ("judge",)
         if need_completions:
             caps = await self._probe_echo(caps)
+        if kind in ("vllm", "llama-cpp-python"):
+            caps = await self._probe_tokenizer(caps, kind)
+        scores = self.can_verify and self.verify_mode != "judge"
+        if (
+            scores
+            and caps.completions
+            and caps.tokenize == "vllm"
+            and self.verify_mode in ("auto", "logprobs", "next_token")
+        ):
+            caps = await self._probe_next_token(caps)
+        if (
+            scores
+            and caps.completions
+            and caps.tokenize == "llama-cpp-python"
+            and self.verify_mode in ("auto", "logprobs", "forced")
+        ):
+            caps = await self._probe_forced(caps)
+        paths: list[ScorePath] = []
+        if caps.next_token_logprobs:
+            paths.append("next_token")
+        if caps.token_grammar:
+            paths.append("forced")
+        if caps.completions and caps.echo_logprobs and caps.echo_shift is not None:
+            paths.append("echo")
+        caps = replace(caps, score_paths=tuple(paths))
+        exact_prompt = self.prompt_source_for(caps) != "plain"
         need_chat = (
             not caps.completions
             or self.draft_mode in ("chat_prefill", "chat_continue")
-            or (self.draft_mode == "auto" and self.chat is None and self.can_draft)
+            or (self.draft_mode == "auto" and not exact_prompt and self.can_draft)
             or self.verify_mode == "judge"
-            or (self.verify_mode == "auto" and caps.echo_shift is None and self.can_verify)
+            or (self.verify_mode == "auto" and not caps.score_paths and self.can_verify)
         )
         if need_chat:
             caps = await self._probe_chat(caps)
         return caps
+
+    async def _probe_tokenizer(self, caps: ServerCapabilities, kind: ServerKind) -> ServerCapabilities:
+        """The server's tokenizer endpoint, and whether it renders a conversation (vLLM)."""
+        root = root_url(self.base_url)
+        model = {"model": self.model} if self.model is not None else {}
+        try:
+            if kind == "vllm":
+                text = {**model, "prompt": "Hi"}
+                token_list(await self.client.request_json("POST", f"{root}/tokenize", text, retries=1))
+                caps = replace(caps, tokenize="vllm")
+                question = [{"role": "user", "content": PROBE_QUESTION}]
+                msgs = {**model, "messages": question, "add_generation_prompt": True}
+                token_list(await self.client.request_json("POST", f"{root}/tokenize", msgs, retries=1))
+                return replace(caps, renders_messages=True)
+            token_list(await self.client.request_json("POST", f"{root}/extras/tokenize", {"input": "Hi"}, retries=1))
+            return replace(caps, tokenize="llama-cpp-python")
+        except HTTPMemberError as exc:
+            if _unreachable(exc):
+                raise
+            return replace(caps, notes=(*caps.notes, f"tokenizer endpoint unavailable ({exc.status})"))
+
+    async def _probe_next_token(self, caps: ServerCapabilities) -> ServerCapabilities:
+        """vLLM: the log-prob of a named next token after a token-id prompt (``logprob_token_ids``),
+        tried on the probe's answer the way scoring asks for it."""
+        prompt, _ = self._probe_text()
+        scorer = TokenScorer(self, "next_token", add_special_tokens=self.chat is None, count_in_member=False)
+        try:
+            scored = await scorer.score(prompt, PROBE_ANSWER, None)
+        except HTTPMemberError as exc:
+            if _unreachable(exc):
+                raise
+            return replace(caps, notes=(*caps.notes, f"next-token log-probs unavailable: {exc}"))
+        if scored is None:
+            return replace(caps, notes=(*caps.notes, "next-token log-probs: nothing to score in the probe"))
+        reported = scorer.counts.cached_tokens is not None
+        notes = list(caps.notes)
+        if not reported:
+            notes.append(
+                "the server does not report cached prompt tokens (vLLM: --enable-prompt-tokens-details); "
+                "verification assumes its prefix cache is on"
+            )
+        return replace(caps, next_token_logprobs=True, reports_cached_tokens=reported, notes=tuple(notes))
+
+    async def _probe_forced(self, caps: ServerCapabilities) -> ServerCapabilities:
+        """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
+        log-prob; tried on the probe's answer the way scoring asks for it."""
+        prompt, _ = self._probe_text()
+        scorer = TokenScorer(self, "forced", add_special_tokens=True, count_in_member=False)
+        try:
+            scored = await scorer.score(prompt, PROBE_ANSWER, None)
+        except HTTPMemberError as exc:
+            if _unreachable(exc):
+                raise
+            return replace(caps, notes=(*caps.notes, f"forced scoring unavailable: {exc}"))
+        if scored is None:
+            return replace(caps, notes=(*caps.notes, "forced scoring: the probe's answer could not be forced"))
+        return replace(caps, token_grammar=True)
+
+    def prompt_source_for(self, caps: ServerCapabilities) -> PromptSource:
+        """Where the prompt text comes from with these capabilities (see :attr:`prompt_source`)."""
+        if self.chat is not None:
+            return "local"
+        return "server" if caps.renders_messages and self._server_prompt else "plain"
 
     def _probe_text(self) -> tuple[str, str]:
         prompt = self.render_prompt([{"role": "user", "content": PROBE_QUESTION}], None)
@@ -505,3 +694,9 @@ class OpenAIHTTPMember:
 def _default_name(base_url: str) -> str:
     parts = urlsplit(base_url)
     return parts.netloc or base_url
+
+
+def _unreachable(exc: HTTPMemberError) -> bool:
+    """Probe failures of an optional feature that still end the probe: no answer, or no access (any
+    other error only means the server lacks the feature)."""
+    return exc.status is None or exc.status in (401, 403, 407)

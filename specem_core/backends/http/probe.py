@@ -3,8 +3,26 @@
 :class:`ServerCapabilities` is what :meth:`~specem_core.backends.http.member.OpenAIHTTPMember.probe`
 finds: the server software (from ``/v1/models``), echo log-probs and whether they are shifted by
 one position (:func:`decide_shift` on the echo of :data:`PROBE_ANSWER`), what ``max_tokens=0``
-means, assistant prefill and chat log-probs. The member resolves its draft and verify modes
-(:data:`DraftMode`, :data:`VerifyMode`) from it.
+means, assistant prefill and chat log-probs, the server's own tokenizer endpoint (and whether it
+renders a conversation), and the exact scoring paths (:data:`ScorePath`) it offers, fastest first.
+The member resolves its draft and verify modes (:data:`DraftMode`, :data:`VerifyMode`) and its
+scoring path from it.
+
+The scoring paths, all exact (the mean log-prob of the candidate's tokens as the server tokenizes
+``prompt + answer + candidate``):
+
+* ``"echo"``: ``/v1/completions`` with ``echo`` and ``logprobs``: prompt log-probs of the whole
+  request. vLLM computes prompt log-probs only in a full prefill (it skips *reading* its prefix
+  cache for them); llama-cpp-python reuses its KV prefix but lists every prompt position in Python
+  (a sort of the whole vocabulary per position): both cost the whole prompt, every round.
+* ``"next_token"`` (vLLM): one ``/v1/completions`` request per candidate token, its prompt the
+  token ids up to that token, ``logprob_token_ids`` naming it: every request reads the prefix
+  cache and computes the tail since its last full cache block; the tokens of the member's own
+  draft are scored from the draft's own log-probs.
+* ``"forced"`` (llama-cpp-python): the candidate's tokens forced through a grammar of token ids
+  (``<[id]>``), streamed with ``logprobs``: the log-probs of the generated tokens, the prompt read
+  from the server's KV prefix. Such a server never reports the log-prob of an end-of-turn token it
+  generates, so that one term is taken from an echo where the echo is aligned.
 """
 
 from __future__ import annotations
@@ -17,9 +35,20 @@ from specem_core.backends.http.alignment import EchoLogprobs, align_echo, top_to
 from specem_core.backends.http.errors import HTTPMemberError
 
 DraftMode = Literal["auto", "completions", "chat_prefill", "chat_continue"]
-VerifyMode = Literal["auto", "logprobs", "judge"]
+ScorePath = Literal["echo", "next_token", "forced"]
+"""How an exact verifier gets its log-probs (module docstring)."""
+VerifyMode = Literal["auto", "logprobs", "echo", "next_token", "forced", "judge"]
+"""``auto``: the fastest exact path, else the judge; ``logprobs``: the fastest exact path;
+``echo`` / ``next_token`` / ``forced``: that exact path; ``judge``: a labelled-choice judge."""
+SCORE_PATHS: tuple[ScorePath, ...] = ("echo", "next_token", "forced")
 ServerKind = Literal["vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai", "generic"]
 MaxTokensZero = Literal["zero", "unlimited", "rejected", "unknown"]
+TokenizeAPI = Literal["vllm", "llama-cpp-python"]
+"""The server's own tokenizer endpoint: vLLM's ``/tokenize`` (text or messages) and
+``/detokenize``; llama-cpp-python's ``/extras/tokenize``."""
+PromptSource = Literal["local", "server", "plain"]
+"""Where a member's prompt text comes from: its own chat template (``local``), the server
+rendering the conversation (``server``: vLLM's ``/tokenize`` with messages), or the plain format."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +66,29 @@ class ServerCapabilities:
     max_tokens_zero: MaxTokensZero = "unknown"
     chat_prefill: bool | None = None
     chat_logprobs: bool | None = None
+    tokenize: TokenizeAPI | None = None
+    """The server's tokenizer endpoint, if any."""
+    renders_messages: bool = False
+    """The server renders a conversation with the model's chat template (vLLM's ``/tokenize``)."""
+    next_token_logprobs: bool = False
+    """``logprob_token_ids`` on ``/v1/completions`` with a token-id prompt (vLLM)."""
+    token_grammar: bool = False
+    """A grammar of token ids (``root ::= <[id]> ...``) forces exactly those tokens (llama.cpp)."""
+    reports_cached_tokens: bool = False
+    """``usage.prompt_tokens_details.cached_tokens`` in answers (vLLM ``--enable-prompt-tokens-details``)."""
+    score_paths: tuple[ScorePath, ...] = ()
+    """The exact scoring paths this server offers, fastest first (module docstring)."""
     notes: tuple[str, ...] = ()
+
+    @property
+    def score_path(self) -> ScorePath | None:
+        """The fastest exact scoring path (what ``verify_mode="auto"`` uses), or ``None``."""
+        return self.score_paths[0] if self.score_paths else None
+
+    @property
+    def scoring_reads_cache(self) -> bool:
+        """Whether verification on the fastest path reads the server's prefix cache."""
+        return self.score_path in ("next_token", "forced")
 
 
 PROBE_QUESTION = "Count from 1 to 40, separated by commas."
@@ -45,6 +96,13 @@ PROBE_ANSWER = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"
 """A continuation every instruct model predicts token by token: echo log-probs whose top-1
 prediction matches the *next* echoed token are shifted by one."""
 PREFILL_ANSWER = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+
+
+def root_url(base_url: str) -> str:
+    """The server's root (``http://host:port``) from the API root (``http://host:port/v1``): the
+    tokenizer endpoints live beside ``/v1``, not under it."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def server_kind(models_body: Any) -> tuple[ServerKind, list[dict[str, Any]]]:

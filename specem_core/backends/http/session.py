@@ -30,6 +30,13 @@ from specem_core.backends.http.errors import (
 from specem_core.backends.http.interface import ServerMember
 from specem_core.backends.http.judge_scoring import judge_scores
 from specem_core.backends.http.responses import chat_content, first_choice
+from specem_core.backends.http.token_scoring import (
+    ScoreCounts,
+    TokenScorer,
+    cached_tokens,
+    draft_tokens,
+    prompt_tokens,
+)
 from specem_core.backends.http.tokenizer import TemplateOnly
 from specem_core.chat_format import PLAIN_TURN_STOPS
 from specem_core.errors import ContextWindowError
@@ -50,7 +57,19 @@ class OpenAIHTTPSession(MemberSession):
         self.verify_mode = verify_mode
         self._messages = [dict(m) for m in request.messages]
         self._tools = list(request.tools) if request.tools else None
-        self._prompt = member.render_prompt(self._messages, self._tools)
+        server_count: int | None = None
+        if member.prompt_source == "server":
+            self._prompt, server_count = run_sync(member.render_on_server(self._messages, self._tools))
+        else:
+            self._prompt = member.render_prompt(self._messages, self._tools)
+        self.score_path = member.score_path if verify_mode == "logprobs" else None
+        """How this session scores (``None``: the judge, or no verification)."""
+        self._score_counts = ScoreCounts()
+        self._scorer: TokenScorer | None = None
+        if self.score_path in ("next_token", "forced"):
+            self._scorer = TokenScorer(member, self.score_path, member.add_special_tokens, self._score_counts)
+        self._draft_prompt_tokens = 0
+        self._draft_cached_tokens: int | None = None
         self._text = ""
         self._seed = request.seed
         self._round = 0
@@ -62,7 +81,10 @@ class OpenAIHTTPSession(MemberSession):
         self._drafted_tokens = 0
         tok = member.tokenizer
         self._exact_counts = tok is not None and not isinstance(tok, TemplateOnly) and member.chat is not None
-        self._prompt_tokens = self._count(self._prompt) if self._exact_counts else self._estimate(self._prompt)
+        if server_count is not None:
+            self._prompt_tokens = server_count
+        else:
+            self._prompt_tokens = self._count(self._prompt) if self._exact_counts else self._estimate(self._prompt)
         self._completion_tokens = 0
         window = member.context_window
         if window and self._prompt_tokens + 2 > window:
@@ -79,6 +101,12 @@ class OpenAIHTTPSession(MemberSession):
         return math.ceil(len(text) / self._chars_per_token) if text else 0
 
     @property
+    def prompt(self) -> str:
+        """The prompt text this member drafts and scores on (its own template, the server's
+        rendering, or the plain format)."""
+        return self._prompt
+
+    @property
     def prompt_tokens(self) -> int:
         """Prompt length in this member's tokens (exact with a local tokenizer, else reported by
         the server after the first draft, else estimated)."""
@@ -88,6 +116,43 @@ class OpenAIHTTPSession(MemberSession):
     def completion_tokens(self) -> int:
         """Committed response length in this member's tokens (exact with a local tokenizer)."""
         return self._completion_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the server said it read from its prefix cache, over this request's drafts
+        and scoring requests (0 where the server does not report it: llama.cpp servers)."""
+        return (self._draft_cached_tokens or 0) + (self._score_counts.cached_tokens or 0)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens the server computed, over this request's requests, where it reports its
+        cache (0 otherwise)."""
+        if self._draft_cached_tokens is None:
+            return 0
+        counts = self._score_counts
+        scoring = counts.prompt_tokens - (counts.cached_tokens or 0) if counts.cached_tokens is not None else 0
+        return self._draft_prompt_tokens - self._draft_cached_tokens + scoring
+
+    def server_trace(self) -> dict[str, Any]:
+        """How this member worked with its server during the request (the trace's ``server``):
+        its modes, scoring path, and what the server read from its prefix cache."""
+        m = self._m
+        counts = self._score_counts
+        caps = m.capabilities
+        return {
+            "server": caps.server if caps is not None else None,
+            "prompt": m.prompt_source,
+            "draft": self.draft_mode,
+            "verify": self.verify_mode,
+            "score_path": self.score_path,
+            "draft_prompt_tokens": self._draft_prompt_tokens,
+            "draft_cached_tokens": self._draft_cached_tokens,
+            "score_requests": counts.requests,
+            "score_prompt_tokens": counts.prompt_tokens,
+            "score_cached_tokens": counts.cached_tokens,
+            "scored_from_draft": counts.from_draft,
+            "echo_fallbacks": counts.echo_fallbacks,
+        }
 
     # -- protocol ---------------------------------------------------------------------------
     def draft(
@@ -109,6 +174,8 @@ class OpenAIHTTPSession(MemberSession):
     def commit(self, text: str, *, final: bool = False) -> None:
         """Append the winner to the committed text (no request: servers are stateless)."""
         self._text += text
+        if text and self._scorer is not None:
+            self._scorer.new_round()
         if self._exact_counts:
             self._completion_tokens = self._count(self._text)
         else:
@@ -151,15 +218,24 @@ class OpenAIHTTPSession(MemberSession):
         seed = None if self._seed is None else self._seed + self._round
         params = m.sampling_body(sampling, seed)
         if self.draft_mode == "completions":
-            stops = list(PLAIN_TURN_STOPS) if m.chat is None else ([m.end_of_turn] if m.end_of_turn else [])
-            payload = m.body(prompt=self._prompt + self._text, max_tokens=max_tokens, **params)
+            plain = m.prompt_source == "plain"
+            stops = list(PLAIN_TURN_STOPS) if plain else ([m.end_of_turn] if m.end_of_turn else [])
+            base = self._prompt + self._text
+            payload = m.body(prompt=base, max_tokens=max_tokens, **params, **m.completion_fields())
             if stops:
                 payload["stop"] = stops
+            # the draft's own tokens and raw log-probs score it on the next_token path (greedy only:
+            # a server may report log-probs after its sampling steps)
+            own = self._scorer is not None and self._scorer.path == "next_token" and _greedy(sampling)
+            if own:
+                payload.update(logprobs=0, return_token_ids=True)
             answer = await m.client.post("/completions", payload)
             choice = first_choice(answer)
             text = choice.get("text")
             if not isinstance(text, str):
                 raise ServerResponseError("completion has no text")
+            if self._scorer is not None:
+                self._scorer.draft = draft_tokens(base, choice) if own else None
         elif self.draft_mode == "chat_prefill":
             msgs = self._m.chat_messages(self._messages, self._tools)
             extra: dict[str, Any] = {}
@@ -185,14 +261,26 @@ class OpenAIHTTPSession(MemberSession):
         finish = choice.get("finish_reason")
         ended = finish == "stop"
         text = text.rstrip("\ufffd")
+        self._draft_prompt_tokens += prompt_tokens(answer) or 0
+        cached = cached_tokens(answer)
+        if cached is not None:
+            self._draft_cached_tokens = (self._draft_cached_tokens or 0) + cached
+            m.stats.draft_cached_tokens += cached
+        m.stats.draft_prompt_tokens += prompt_tokens(answer) or 0
         usage = answer.get("usage") if isinstance(answer, dict) else None
         tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if not isinstance(tokens, int) or tokens < 0:
             tokens = max(1, self._estimate(text)) if text else 0
-        if self.draft_mode == "completions" and not self._text and isinstance(usage, dict) and not self._exact_counts:
-            prompt_tokens = usage.get("prompt_tokens")
-            if isinstance(prompt_tokens, int) and prompt_tokens > 0:
-                self._prompt_tokens = prompt_tokens
+        if (
+            self.draft_mode == "completions"
+            and not self._text
+            and isinstance(usage, dict)
+            and not self._exact_counts
+            and m.prompt_source != "server"  # the server counted it when it rendered the prompt
+        ):
+            reported = usage.get("prompt_tokens")
+            if isinstance(reported, int) and reported > 0:
+                self._prompt_tokens = reported
         if text and tokens:
             self._drafted_chars += len(text)
             self._drafted_tokens += tokens
@@ -230,19 +318,61 @@ class OpenAIHTTPSession(MemberSession):
         """Mean log-prob and token count of one candidate; ``None`` when there is nothing to score
         (an empty finished candidate and no known end-of-turn token): it gets the row's mean."""
         m = self._m
-        caps = m.capabilities
-        assert caps is not None
-        assert caps.echo_shift is not None
-        base = self._prompt + self._text
         with_eos = cand.ended and (score_eos or not cand.text) and m.end_of_turn is not None
         if not cand.text and not with_eos:
             return None
+        scorer = self._scorer
+        if scorer is None:
+            return await self._score_echo(cand, with_eos)
+        if with_eos and scorer.path == "forced":  # llama.cpp servers never list a generated end of turn
+            return await self._score_forced_eos(cand, scorer)
+        scored = await scorer.score(self._prompt + self._text, cand.text, m.end_of_turn if with_eos else None)
+        if scored is not None:
+            return scored
+        self._score_counts.echo_fallbacks += 1
+        m.stats.echo_fallbacks += 1
+        return await self._score_echo(cand, with_eos)
+
+    async def _score_forced_eos(self, cand: Candidate, scorer: TokenScorer) -> tuple[float, int] | None:
+        """An ended candidate on the ``forced`` path: the echo where it is aligned (it lists the end
+        of turn), else the text's tokens and the end of turn counted unknown (as a shifted echo)."""
+        m = self._m
+        caps = m.capabilities
+        if caps is not None and caps.echo_shift == 0 and "echo" in caps.score_paths:
+            self._score_counts.echo_fallbacks += 1
+            m.stats.echo_fallbacks += 1
+            return await self._score_echo(cand, with_eos=True)
+        if m.strict_scoring:
+            raise AlignmentError("the end-of-turn log-prob is unknown on this server (no aligned echo)")
+        m.stats.inexact_tokens += 1
+        if m.stats.inexact_tokens == 1:  # once per member: every finished candidate repeats it
+            log.warning(
+                "%s: end-of-turn log-prob unknown on this server (it lists no generated end of turn and its "
+                "echo is not aligned); finished candidates are scored on their text (member.stats.inexact_tokens)",
+                m.name,
+            )
+        if not cand.text:
+            return None
+        return await scorer.score(self._prompt + self._text, cand.text, None)
+
+    async def _score_echo(self, cand: Candidate, with_eos: bool) -> tuple[float, int] | None:
+        """The echo path: ``prompt + R + candidate [+ end of turn]`` with ``echo`` and ``logprobs``."""
+        m = self._m
+        caps = m.capabilities
+        assert caps is not None
+        if caps.echo_shift is None:
+            raise CapabilityError(f"{m.name}: the server's echo log-probs are not usable")
+        base = self._prompt + self._text
         sent = base + cand.text + (m.end_of_turn or "" if with_eos else "")
         text_end = len(base) + len(cand.text)
         max_tokens = 0 if caps.max_tokens_zero == "zero" else 1
         k = max(1, m.top_logprobs if caps.echo_shift == 1 else 1)
-        payload = m.body(prompt=sent, max_tokens=max_tokens, echo=True, logprobs=k, **m.greedy_body())
-        echo = parse_echo_logprobs(await m.client.post("/completions", payload))
+        payload = m.body(
+            prompt=sent, max_tokens=max_tokens, echo=True, logprobs=k, **m.greedy_body(), **m.completion_fields()
+        )
+        answer = await m.client.post("/completions", payload)
+        self._score_counts.add(answer, m.stats)
+        echo = parse_echo_logprobs(answer)
         if not echo.text.startswith(sent):
             raise AlignmentError("the echoed text differs from the prompt that was sent")
         # Validate from the start of the answer (for an empty answer: the prompt's last character).
@@ -316,3 +446,8 @@ class OpenAIHTTPSession(MemberSession):
                 f"the server's greedy token {expected!r} is not the top-1 ({predicted!r}) of the slot that "
                 "the probed alignment says predicts it; the echo alignment changed"
             )
+
+
+def _greedy(sampling: SamplingParams) -> bool:
+    """A draft whose reported log-probs are the model's own whatever the server's log-prob mode."""
+    return sampling.temperature == 0.0 and sampling.repetition_penalty == 1.0 and not sampling.ignore_eos

