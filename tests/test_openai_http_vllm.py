@@ -151,7 +151,10 @@ def test_verification_reads_the_prefix_cache(server: LlamaServer) -> None:
     trace = session.server_trace()
     assert trace["score_path"] == "next_token"
     assert trace["scored_from_draft"] >= len(draft.text.split())
-    assert session.cached_tokens == trace["draft_cached_tokens"] + trace["score_cached_tokens"] > 0  # the usage
+    assert trace["draft_cached_tokens"] > 0
+    assert trace["score_cached_tokens"] > 0
+    # the usage counts, as for local members, what the request's first call read of the prompt
+    assert 0 <= session.cached_tokens <= session.prompt_tokens
     echo = load_member(spec, name="echo", verify_mode="echo", transport=recorder)
     echo_session = echo.open(SessionRequest(messages))
     echo_session.commit(committed)

@@ -70,6 +70,9 @@ class OpenAIHTTPSession(MemberSession):
             self._scorer = TokenScorer(member, self.score_path, member.add_special_tokens, self._score_counts)
         self._draft_prompt_tokens = 0
         self._draft_cached_tokens: int | None = None
+        self._first_cached: int | None = None
+        """Of the prompt, what the server read from its cache on the request's first draft (the
+        prefix a previous request left; later calls re-read the growing answer too)."""
         self._text = ""
         self._seed = request.seed
         self._round = 0
@@ -119,9 +122,14 @@ class OpenAIHTTPSession(MemberSession):
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens the server said it read from its prefix cache, over this request's drafts
-        and scoring requests (0 where the server does not report it: llama.cpp servers)."""
-        return (self._draft_cached_tokens or 0) + (self._score_counts.cached_tokens or 0)
+        """Prompt tokens the server read from its prefix cache when this request began (its first
+        call that reported it; at most the prompt), as local members count theirs: the trace's
+        ``server`` entry has every call's. 0 where the server does not report it (llama.cpp
+        servers)."""
+        first = self._first_cached
+        if first is None and self._score_counts.per_request:
+            first = next((c for _, c in self._score_counts.per_request if c is not None), None)
+        return min(first or 0, self._prompt_tokens)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -264,6 +272,8 @@ class OpenAIHTTPSession(MemberSession):
         self._draft_prompt_tokens += prompt_tokens(answer) or 0
         cached = cached_tokens(answer)
         if cached is not None:
+            if self._first_cached is None:
+                self._first_cached = cached
             self._draft_cached_tokens = (self._draft_cached_tokens or 0) + cached
             m.stats.draft_cached_tokens += cached
         m.stats.draft_prompt_tokens += prompt_tokens(answer) or 0
