@@ -9,6 +9,7 @@ the loop's events to the caller, through a worker thread for the async views
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -329,8 +330,11 @@ class SpecEM:
         run, events = self._events(
             messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
         )
-        async for event in self._workers.iterate(events, run.cancelled):
-            yield event
+        # closed here, not when the garbage collector finalizes it: a consumer that stops early
+        # must cancel the run now, not some rounds later
+        async with contextlib.aclosing(self._workers.iterate(events, run.cancelled)) as stream:
+            async for event in stream:
+                yield event
 
 
 def default_engine(*, backend: str | None = None, **config: Any) -> SpecEM:

@@ -189,6 +189,9 @@ class Run:
             if self.learned is not None and cfg.hedge:
                 self.learned.observe_result(self.segments)
             last = self.segments[-1] if len(self.segments) > announced else None
+            # the answer is whole: free the sessions (and cache their prefixes) before handing it
+            # over, so that a consumer that stops at the last event leaves nothing open
+            self.calls.close()
             yield StreamEvent(delta=self.text[emitted:], segment=last, done=True, result=result)
         finally:
             self.calls.close()

@@ -13,7 +13,7 @@ import contextvars
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -25,7 +25,7 @@ class Workers:
     def __init__(self) -> None:
         self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
-    async def iterate(self, events: Iterator[T], cancelled: threading.Event) -> AsyncIterator[T]:
+    async def iterate(self, events: Iterator[T], cancelled: threading.Event) -> AsyncGenerator[T, None]:
         """``events`` produced in a new worker thread and yielded here as they come. Setting
         ``cancelled`` (done here when the consumer stops) ends the producer after its current
         item; ``events.close()`` then releases what it holds (the members' sessions) at once."""

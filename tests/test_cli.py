@@ -325,17 +325,19 @@ def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(t
     import io
 
     from specem_core import ConfigError
-    from specem_integrations.cli import _engine, _parser
+    from specem_integrations.cli import _engine, _parser, _resolve
 
     options = ["--backend", "transformers", "--no-prefix-cache", "--prefix-cache-tokens", "512"]
     args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], *options])
-    engine, _ = _engine(args, io.StringIO())
+    engine = _engine(args, io.StringIO(), _resolve(args))
     (member,) = engine.members
     assert (member.prefix_cache, member.prefixes.budget_tokens) == (False, 512)
     args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], "--backend", "transformers"])
-    engine, _ = _engine(args, io.StringIO())  # the same weights again: the default options, not the last ones
+    engine = _engine(
+        args, io.StringIO(), _resolve(args)
+    )  # the same weights again: the default options, not the last ones
     assert engine.members[0].prefix_cache is True
     for model, named in ((tiny_dirs[0], "transformers member"), ("openai:http://127.0.0.1:9/v1#m", "server member")):
         args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
         with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
-            _engine(args, io.StringIO())
+            _engine(args, io.StringIO(), _resolve(args))

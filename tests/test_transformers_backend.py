@@ -47,10 +47,10 @@ def test_cached_scores_equal_naive_full_recompute(members: dict[str, Any], kind:
             worst = max(worst, abs(g.mean_logit - logit), abs(g.mean_logprob - logprob))
         committable = [c for c in cands if not c.ended and c.text]
         session.commit(committable[rnd % len(committable)].text)
-        assert session._cache_len() == len(prompt) + len(session._resp_ids)
+        assert session._cache_length() == len(prompt) + len(session._resp_ids)
     assert worst <= 1e-4
     if kind == "gemma3":  # longer than the sliding window: the window is applied on the cached path too
-        assert session._cache_len() > 16
+        assert session._cache_length() > 16
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -187,7 +187,7 @@ def test_token_healing_redraws_the_last_committed_token(members: dict[str, Any],
 
     healed = session.draft(6, SamplingParams(token_healing=True))
     assert (tail + healed.text).startswith(m.token_text(best))  # the redrawn token leads the draft
-    assert session._cache_len() == len(ids)
+    assert session._cache_length() == len(ids)
     with torch.inference_mode():
         fresh = m.model(input_ids=torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(session._next_logits, fresh, atol=1e-4)

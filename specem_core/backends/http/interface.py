@@ -1,6 +1,6 @@
-"""What a server member's session and its judge scoring need of the member: :class:`ServerMember`
-(a protocol, so that both sit below :mod:`specem_core.backends.http.member`, which builds
-sessions), and the counters a member keeps (:class:`MemberStats`)."""
+"""What a server member's session, its judge scoring and the probe's requests need of the member:
+:class:`ServerMember` (a protocol, so that they sit below :mod:`specem_core.backends.http.member`,
+which builds sessions and probes), and the counters a member keeps (:class:`MemberStats`)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ class ServerMember(Protocol):
 
     name: str
     model: str | None
+    base_url: str
     client: OpenAIClient
+    draft_mode: DraftMode
     tokenizer: Any
     chat: ChatFormat | None
     end_of_turn: str | None

@@ -54,8 +54,9 @@ raises :class:`~specem_core.backends.http.errors.AlignmentError` (or, for missin
 ``member.stats``). Nothing is mis-scored silently.
 
 This module holds the member (configuration, probing requests, request bodies in the server's
-dialect); each request's drafting and scoring is :mod:`specem_core.backends.http.session`'s, what
-probing decides is :mod:`specem_core.backends.http.probe`'s, the local tokenizer
+dialect); each request's drafting and scoring is :mod:`specem_core.backends.http.session`'s, the
+probe's requests :mod:`specem_core.backends.http.probing`'s, what they decide
+:mod:`specem_core.backends.http.probe`'s, the local tokenizer
 :mod:`specem_core.backends.http.tokenizer`'s.
 """
 
@@ -72,32 +73,26 @@ import httpx
 from pydantic import SecretStr
 
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.http.alignment import parse_echo_logprobs
+from specem_core.backends.http import probing
 from specem_core.backends.http.client import BreakerPolicy, OpenAIClient, RetryPolicy, log, run_async, run_sync
-from specem_core.backends.http.errors import AlignmentError, CapabilityError, HTTPMemberError, ServerResponseError
+from specem_core.backends.http.errors import CapabilityError, HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats
 from specem_core.backends.http.judge_prompt import JudgeOptions
 from specem_core.backends.http.probe import (
-    PREFILL_ANSWER,
-    PROBE_ANSWER,
-    PROBE_QUESTION,
     SCORE_PATHS,
     DraftMode,
-    MaxTokensZero,
     PromptSource,
     ScorePath,
     ServerCapabilities,
     ServerKind,
     VerifyMode,
     context_from_models,
-    decide_shift,
     is_fatal,
     root_url,
     server_kind,
 )
-from specem_core.backends.http.responses import chat_content, chat_top_logprobs, first_choice
 from specem_core.backends.http.session import OpenAIHTTPSession
-from specem_core.backends.http.token_scoring import TokenScorer, token_list
+from specem_core.backends.http.token_scoring import token_list
 from specem_core.backends.http.tokenizer import TemplateOnly, end_of_turn_token, load_tokenizer, stop_token_ids
 from specem_core.chat_format import ChatFormat, flatten_tool_turns, render_plain, with_tool_instructions
 
@@ -487,9 +482,9 @@ class OpenAIHTTPMember:
         caps = replace(caps, notes=tuple(notes))
         need_completions = self.draft_mode in ("auto", "completions") or self.verify_mode not in ("judge",)
         if need_completions:
-            caps = await self._probe_echo(caps)
+            caps = await probing.probe_echo(self, caps)
         if kind in ("vllm", "llama-cpp-python"):
-            caps = await self._probe_tokenizer(caps, kind)
+            caps = await probing.probe_tokenizer(self, caps, kind)
         scores = self.can_verify and self.verify_mode != "judge"
         if (
             scores
@@ -497,14 +492,14 @@ class OpenAIHTTPMember:
             and caps.tokenize == "vllm"
             and self.verify_mode in ("auto", "logprobs", "next_token")
         ):
-            caps = await self._probe_next_token(caps)
+            caps = await probing.probe_next_token(self, caps)
         if (
             scores
             and caps.completions
             and caps.tokenize == "llama-cpp-python"
             and self.verify_mode in ("auto", "logprobs", "forced")
         ):
-            caps = await self._probe_forced(caps)
+            caps = await probing.probe_forced(self, caps)
         paths: list[ScorePath] = []
         if caps.next_token_logprobs:
             paths.append("next_token")
@@ -522,65 +517,8 @@ class OpenAIHTTPMember:
             or (self.verify_mode == "auto" and not caps.score_paths and self.can_verify)
         )
         if need_chat:
-            caps = await self._probe_chat(caps)
+            caps = await probing.probe_chat(self, caps)
         return caps
-
-    async def _probe_tokenizer(self, caps: ServerCapabilities, kind: ServerKind) -> ServerCapabilities:
-        """The server's tokenizer endpoint, and whether it renders a conversation (vLLM)."""
-        root = root_url(self.base_url)
-        model = {"model": self.model} if self.model is not None else {}
-        try:
-            if kind == "vllm":
-                text = {**model, "prompt": "Hi"}
-                token_list(await self.client.request_json("POST", f"{root}/tokenize", text, retries=1))
-                caps = replace(caps, tokenize="vllm")
-                question = [{"role": "user", "content": PROBE_QUESTION}]
-                msgs = {**model, "messages": question, "add_generation_prompt": True}
-                token_list(await self.client.request_json("POST", f"{root}/tokenize", msgs, retries=1))
-                return replace(caps, renders_messages=True)
-            token_list(await self.client.request_json("POST", f"{root}/extras/tokenize", {"input": "Hi"}, retries=1))
-            return replace(caps, tokenize="llama-cpp-python")
-        except HTTPMemberError as exc:
-            if _unreachable(exc):
-                raise
-            return replace(caps, notes=(*caps.notes, f"tokenizer endpoint unavailable ({exc.status})"))
-
-    async def _probe_next_token(self, caps: ServerCapabilities) -> ServerCapabilities:
-        """vLLM: the log-prob of a named next token after a token-id prompt (``logprob_token_ids``),
-        tried on the probe's answer the way scoring asks for it."""
-        prompt, _ = self._probe_text()
-        scorer = TokenScorer(self, "next_token", add_special_tokens=self.chat is None, count_in_member=False)
-        try:
-            scored = await scorer.score(prompt, PROBE_ANSWER, None)
-        except HTTPMemberError as exc:
-            if _unreachable(exc):
-                raise
-            return replace(caps, notes=(*caps.notes, f"next-token log-probs unavailable: {exc}"))
-        if scored is None:
-            return replace(caps, notes=(*caps.notes, "next-token log-probs: nothing to score in the probe"))
-        reported = scorer.counts.cached_tokens is not None
-        notes = list(caps.notes)
-        if not reported:
-            notes.append(
-                "the server does not report cached prompt tokens (vLLM: --enable-prompt-tokens-details); "
-                "verification assumes its prefix cache is on"
-            )
-        return replace(caps, next_token_logprobs=True, reports_cached_tokens=reported, notes=tuple(notes))
-
-    async def _probe_forced(self, caps: ServerCapabilities) -> ServerCapabilities:
-        """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
-        log-prob; tried on the probe's answer the way scoring asks for it."""
-        prompt, _ = self._probe_text()
-        scorer = TokenScorer(self, "forced", add_special_tokens=True, count_in_member=False)
-        try:
-            scored = await scorer.score(prompt, PROBE_ANSWER, None)
-        except HTTPMemberError as exc:
-            if _unreachable(exc):
-                raise
-            return replace(caps, notes=(*caps.notes, f"forced scoring unavailable: {exc}"))
-        if scored is None:
-            return replace(caps, notes=(*caps.notes, "forced scoring: the probe's answer could not be forced"))
-        return replace(caps, token_grammar=True)
 
     def prompt_source_for(self, caps: ServerCapabilities) -> PromptSource:
         """Where the prompt text comes from with these capabilities (see :attr:`prompt_source`)."""
@@ -588,115 +526,7 @@ class OpenAIHTTPMember:
             return "local"
         return "server" if caps.renders_messages and self._server_prompt else "plain"
 
-    def _probe_text(self) -> tuple[str, str]:
-        prompt = self.render_prompt([{"role": "user", "content": PROBE_QUESTION}], None)
-        return prompt, prompt + PROBE_ANSWER
-
-    async def _probe_echo(self, caps: ServerCapabilities) -> ServerCapabilities:
-        notes = list(caps.notes)
-        prompt, sent = self._probe_text()
-        payload = self.body(prompt=sent, max_tokens=1, echo=True, logprobs=5, **self.greedy_body())
-        try:
-            answer = await self.client.request_json("POST", "/completions", payload, retries=1)
-        except HTTPMemberError as exc:
-            if is_fatal(exc):
-                raise
-            notes.append(f"/completions with echo+logprobs rejected ({exc.status})")
-            # maybe completions without echo still work
-            try:
-                body = self.body(prompt=sent, max_tokens=1, **self.greedy_body())
-                first_choice(await self.client.request_json("POST", "/completions", body, retries=1))
-                return replace(caps, completions=True, notes=(*notes, "echo log-probs unavailable"))
-            except HTTPMemberError:
-                return replace(caps, notes=(*notes, "no /completions endpoint"))
-        caps = replace(caps, completions=True)
-        try:
-            echo = parse_echo_logprobs(answer)
-            shift = decide_shift(sent, len(prompt), echo)
-        except (ServerResponseError, AlignmentError) as exc:
-            notes.append(f"echo log-probs unusable: {exc}")
-            return replace(caps, notes=tuple(notes))
-        if shift is None:
-            notes.append("echo log-probs: alignment could not be established; exact verification disabled")
-        elif shift == 1:
-            notes.append("echo log-probs are shifted by one position; corrected from the previous slot's top_logprobs")
-        caps = replace(caps, echo_logprobs=True, echo_shift=shift, notes=tuple(notes))
-        return replace(caps, max_tokens_zero=await self._probe_max_tokens_zero(sent))
-
-    async def _probe_max_tokens_zero(self, sent: str) -> MaxTokensZero:
-        """What ``max_tokens=0`` does in the request scoring sends (``echo`` + ``logprobs``):
-        ``"zero"`` when the server echoes the prompt with its log-probs and generates nothing (vLLM's
-        echo without generation), ``"unlimited"`` when it generates anyway (llama-cpp-python: 0 is
-        no limit; the stop strings end it at once), ``"rejected"`` on a 4xx. Only ``"zero"`` makes
-        scoring send 0; anything else sends 1 and ignores the generated token."""
-        payload = self.body(
-            prompt=sent, max_tokens=0, echo=True, logprobs=1, stop=[",", "\n", " ", "."], **self.greedy_body()
-        )
-        try:
-            answer = await self.client.request_json("POST", "/completions", payload, timeout=20.0, retries=0)
-        except HTTPMemberError as exc:
-            if exc.status is not None and 400 <= exc.status < 500:
-                return "rejected"
-            return "unlimited" if exc.status is None else "unknown"
-        try:
-            echo = parse_echo_logprobs(answer)  # the prompt's log-probs, as scoring reads them
-        except ServerResponseError:
-            return "unknown"
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        # vLLM generates one token for an echo without generation, drops it and still counts it
-        # (measured: completion_tokens 1, text and log-probs the prompt's only)
-        drops_its_token = self._server() in ("vllm", "sglang")
-        if echo.text == sent and (generated == 0 or drops_its_token):
-            return "zero"
-        return "unlimited"
-
-    async def _probe_chat(self, caps: ServerCapabilities) -> ServerCapabilities:
-        notes = list(caps.notes)
-        msgs = [{"role": "user", "content": PROBE_QUESTION}]
-        payload = self.body(messages=msgs, max_tokens=1, logprobs=True, top_logprobs=5, **self.greedy_body())
-        chat = chat_logprobs = False
-        try:
-            answer = await self.client.request_json("POST", "/chat/completions", payload, retries=1)
-            chat = True
-            chat_logprobs = chat_top_logprobs(answer) is not None
-        except HTTPMemberError as exc:
-            if is_fatal(exc):
-                raise
-            try:  # logprobs may be what was rejected
-                body = self.body(messages=msgs, max_tokens=1, **self.greedy_body())
-                first_choice(await self.client.request_json("POST", "/chat/completions", body, retries=1))
-                chat = True
-            except HTTPMemberError:
-                notes.append("no /chat/completions endpoint")
-        caps = replace(caps, chat=chat, chat_logprobs=chat_logprobs)
-        if chat and (self.draft_mode == "chat_prefill" or (self.draft_mode == "auto" and self.chat is None)):
-            caps = replace(caps, chat_prefill=await self._probe_prefill())
-        return replace(caps, notes=tuple(notes))
-
-    async def _probe_prefill(self) -> bool:
-        msgs = [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PREFILL_ANSWER}]
-        payload = self.body(
-            messages=msgs,
-            max_tokens=4,
-            continue_final_message=True,
-            add_generation_prompt=False,
-            **self.greedy_body(),
-        )
-        try:
-            answer = await self.client.request_json("POST", "/chat/completions", payload, retries=1)
-            content = chat_content(answer)
-        except HTTPMemberError:
-            return False
-        return content.lstrip().startswith("11")
-
 
 def _default_name(base_url: str) -> str:
     parts = urlsplit(base_url)
     return parts.netloc or base_url
-
-
-def _unreachable(exc: HTTPMemberError) -> bool:
-    """Probe failures of an optional feature that still end the probe: no answer, or no access (any
-    other error only means the server lacks the feature)."""
-    return exc.status is None or exc.status in (401, 403, 407)

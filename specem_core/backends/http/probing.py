@@ -1,0 +1,201 @@
+"""The probe's requests: what a server supports, asked the way drafting and scoring will ask.
+
+:meth:`OpenAIHTTPMember.probe <specem_core.backends.http.member.OpenAIHTTPMember.probe>` reads
+``/v1/models`` and runs these on the member's own prompt format; what they find is a
+:class:`~specem_core.backends.http.probe.ServerCapabilities` (its fields and the scoring paths are
+described in :mod:`specem_core.backends.http.probe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from specem_core.backends.http.alignment import parse_echo_logprobs
+from specem_core.backends.http.errors import AlignmentError, HTTPMemberError, ServerResponseError
+from specem_core.backends.http.interface import ServerMember
+from specem_core.backends.http.probe import (
+    PREFILL_ANSWER,
+    PROBE_ANSWER,
+    PROBE_QUESTION,
+    MaxTokensZero,
+    ServerCapabilities,
+    ServerKind,
+    decide_shift,
+    is_fatal,
+    root_url,
+)
+from specem_core.backends.http.responses import chat_content, chat_top_logprobs, first_choice
+from specem_core.backends.http.token_scoring import TokenScorer, token_list
+
+
+async def probe_tokenizer(member: ServerMember, caps: ServerCapabilities, kind: ServerKind) -> ServerCapabilities:
+    """The server's tokenizer endpoint, and whether it renders a conversation (vLLM)."""
+    root = root_url(member.base_url)
+    model = {"model": member.model} if member.model is not None else {}
+    try:
+        if kind == "vllm":
+            text = {**model, "prompt": "Hi"}
+            token_list(await member.client.request_json("POST", f"{root}/tokenize", text, retries=1))
+            caps = replace(caps, tokenize="vllm")
+            question = [{"role": "user", "content": PROBE_QUESTION}]
+            msgs = {**model, "messages": question, "add_generation_prompt": True}
+            token_list(await member.client.request_json("POST", f"{root}/tokenize", msgs, retries=1))
+            return replace(caps, renders_messages=True)
+        token_list(await member.client.request_json("POST", f"{root}/extras/tokenize", {"input": "Hi"}, retries=1))
+        return replace(caps, tokenize="llama-cpp-python")
+    except HTTPMemberError as exc:
+        if unreachable(exc):
+            raise
+        return replace(caps, notes=(*caps.notes, f"tokenizer endpoint unavailable ({exc.status})"))
+
+
+async def probe_next_token(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
+    """vLLM: the log-prob of a named next token after a token-id prompt (``logprob_token_ids``),
+    tried on the probe's answer the way scoring asks for it."""
+    prompt, _ = probe_text(member)
+    scorer = TokenScorer(member, "next_token", add_special_tokens=member.chat is None, count_in_member=False)
+    try:
+        scored = await scorer.score(prompt, PROBE_ANSWER, None)
+    except HTTPMemberError as exc:
+        if unreachable(exc):
+            raise
+        return replace(caps, notes=(*caps.notes, f"next-token log-probs unavailable: {exc}"))
+    if scored is None:
+        return replace(caps, notes=(*caps.notes, "next-token log-probs: nothing to score in the probe"))
+    reported = scorer.counts.cached_tokens is not None
+    notes = list(caps.notes)
+    if not reported:
+        notes.append(
+            "the server does not report cached prompt tokens (vLLM: --enable-prompt-tokens-details); "
+            "verification assumes its prefix cache is on"
+        )
+    return replace(caps, next_token_logprobs=True, reports_cached_tokens=reported, notes=tuple(notes))
+
+
+async def probe_forced(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
+    """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
+    log-prob; tried on the probe's answer the way scoring asks for it."""
+    prompt, _ = probe_text(member)
+    scorer = TokenScorer(member, "forced", add_special_tokens=True, count_in_member=False)
+    try:
+        scored = await scorer.score(prompt, PROBE_ANSWER, None)
+    except HTTPMemberError as exc:
+        if unreachable(exc):
+            raise
+        return replace(caps, notes=(*caps.notes, f"forced scoring unavailable: {exc}"))
+    if scored is None:
+        return replace(caps, notes=(*caps.notes, "forced scoring: the probe's answer could not be forced"))
+    return replace(caps, token_grammar=True)
+
+
+def probe_text(member: ServerMember) -> tuple[str, str]:
+    prompt = member.render_prompt([{"role": "user", "content": PROBE_QUESTION}], None)
+    return prompt, prompt + PROBE_ANSWER
+
+
+async def probe_echo(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
+    notes = list(caps.notes)
+    prompt, sent = probe_text(member)
+    payload = member.body(prompt=sent, max_tokens=1, echo=True, logprobs=5, **member.greedy_body())
+    try:
+        answer = await member.client.request_json("POST", "/completions", payload, retries=1)
+    except HTTPMemberError as exc:
+        if is_fatal(exc):
+            raise
+        notes.append(f"/completions with echo+logprobs rejected ({exc.status})")
+        # maybe completions without echo still work
+        try:
+            body = member.body(prompt=sent, max_tokens=1, **member.greedy_body())
+            first_choice(await member.client.request_json("POST", "/completions", body, retries=1))
+            return replace(caps, completions=True, notes=(*notes, "echo log-probs unavailable"))
+        except HTTPMemberError:
+            return replace(caps, notes=(*notes, "no /completions endpoint"))
+    caps = replace(caps, completions=True)
+    try:
+        echo = parse_echo_logprobs(answer)
+        shift = decide_shift(sent, len(prompt), echo)
+    except (ServerResponseError, AlignmentError) as exc:
+        notes.append(f"echo log-probs unusable: {exc}")
+        return replace(caps, notes=tuple(notes))
+    if shift is None:
+        notes.append("echo log-probs: alignment could not be established; exact verification disabled")
+    elif shift == 1:
+        notes.append("echo log-probs are shifted by one position; corrected from the previous slot's top_logprobs")
+    caps = replace(caps, echo_logprobs=True, echo_shift=shift, notes=tuple(notes))
+    return replace(caps, max_tokens_zero=await probe_max_tokens_zero(member, sent, caps.server))
+
+
+async def probe_max_tokens_zero(member: ServerMember, sent: str, kind: ServerKind) -> MaxTokensZero:
+    """What ``max_tokens=0`` does in the request scoring sends (``echo`` + ``logprobs``):
+    ``"zero"`` when the server echoes the prompt with its log-probs and generates nothing (vLLM's
+    echo without generation), ``"unlimited"`` when it generates anyway (llama-cpp-python: 0 is
+    no limit; the stop strings end it at once), ``"rejected"`` on a 4xx. Only ``"zero"`` makes
+    scoring send 0; anything else sends 1 and ignores the generated token."""
+    payload = member.body(
+        prompt=sent, max_tokens=0, echo=True, logprobs=1, stop=[",", "\n", " ", "."], **member.greedy_body()
+    )
+    try:
+        answer = await member.client.request_json("POST", "/completions", payload, timeout=20.0, retries=0)
+    except HTTPMemberError as exc:
+        if exc.status is not None and 400 <= exc.status < 500:
+            return "rejected"
+        return "unlimited" if exc.status is None else "unknown"
+    try:
+        echo = parse_echo_logprobs(answer)  # the prompt's log-probs, as scoring reads them
+    except ServerResponseError:
+        return "unknown"
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    # vLLM generates one token for an echo without generation, drops it and still counts it
+    # (measured: completion_tokens 1, text and log-probs the prompt's only)
+    drops_its_token = kind in ("vllm", "sglang")
+    if echo.text == sent and (generated == 0 or drops_its_token):
+        return "zero"
+    return "unlimited"
+
+
+async def probe_chat(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
+    notes = list(caps.notes)
+    msgs = [{"role": "user", "content": PROBE_QUESTION}]
+    payload = member.body(messages=msgs, max_tokens=1, logprobs=True, top_logprobs=5, **member.greedy_body())
+    chat = chat_logprobs = False
+    try:
+        answer = await member.client.request_json("POST", "/chat/completions", payload, retries=1)
+        chat = True
+        chat_logprobs = chat_top_logprobs(answer) is not None
+    except HTTPMemberError as exc:
+        if is_fatal(exc):
+            raise
+        try:  # logprobs may be what was rejected
+            body = member.body(messages=msgs, max_tokens=1, **member.greedy_body())
+            first_choice(await member.client.request_json("POST", "/chat/completions", body, retries=1))
+            chat = True
+        except HTTPMemberError:
+            notes.append("no /chat/completions endpoint")
+    caps = replace(caps, chat=chat, chat_logprobs=chat_logprobs)
+    if chat and (member.draft_mode == "chat_prefill" or (member.draft_mode == "auto" and member.chat is None)):
+        caps = replace(caps, chat_prefill=await probe_prefill(member))
+    return replace(caps, notes=tuple(notes))
+
+
+async def probe_prefill(member: ServerMember) -> bool:
+    msgs = [{"role": "user", "content": PROBE_QUESTION}, {"role": "assistant", "content": PREFILL_ANSWER}]
+    payload = member.body(
+        messages=msgs,
+        max_tokens=4,
+        continue_final_message=True,
+        add_generation_prompt=False,
+        **member.greedy_body(),
+    )
+    try:
+        answer = await member.client.request_json("POST", "/chat/completions", payload, retries=1)
+        content = chat_content(answer)
+    except HTTPMemberError:
+        return False
+    return content.lstrip().startswith("11")
+
+
+def unreachable(exc: HTTPMemberError) -> bool:
+    """Probe failures of an optional feature that still end the probe: no answer, or no access (any
+    other error only means the server lacks the feature)."""
+    return exc.status is None or exc.status in (401, 403, 407)
