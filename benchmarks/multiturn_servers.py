@@ -41,7 +41,7 @@ the prompt tokens each read from the server's cache. Summary per row: seconds pe
 token over turns >= 2 and its ratio to the server alone of the row's strongest member, the first
 turn's ratio, the share of each verification's prompt read from the cache (the smallest), and for
 ``one:`` rows whether each turn's text is the server alone's.
-Writes ``benchmarks/results/multiturn_servers_<server>.json`` (``--out``). Alone on the machine
+Writes ``benchmarks/results/multiturn_servers_llama_cpp_python.json`` or ``…_vllm.json`` (``--out``). Alone on the machine
 for figures (the lead runs them); timings under load are indicative only.
 """
 
