@@ -466,7 +466,7 @@ SERVE = [
         "    max_tokens=24, extra_body={'specem': {'trace': True}})\n"
         "print(reply.choices[0].message.content)\n"
         "for seg in reply.model_extra['specem']['segments']:\n"
-        "    print(f\"round {seg['round']}: {seg['winner']:>28} won with {seg['text']!r}\")"
+        "    print(f\"round {seg['index']}: {seg['winner']:>28} won with {seg['text']!r}\")"
     ),
     new_code_cell(
         "server.send_signal(signal.SIGINT)  # graceful shutdown: requests in flight finish first\n"
