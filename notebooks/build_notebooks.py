@@ -222,9 +222,18 @@ BENCHMARKS = [
         "Markdown(summary.read_text()) if summary.exists() else print('no quality results yet')"
     ),
     new_code_cell(
-        "from IPython.display import Image\n\n"
+        "from io import BytesIO\n\n"
+        "from IPython.display import Image, display\n"
+        "from PIL import Image as Picture\n\n"
         "plot = root / 'benchmarks' / 'results' / 'quality' / 'quality.png'\n"
-        "Image(filename=str(plot), width=900) if plot.exists() else print('no quality plot yet')"
+        "if plot.exists():  # a 900-pixel copy in 64 colours keeps the notebook small; the file has the full size\n"
+        "    picture = Picture.open(plot).convert('RGB')\n"
+        "    picture.thumbnail((900, 900))\n"
+        "    small = BytesIO()\n"
+        "    picture.quantize(colors=64).save(small, format='PNG', optimize=True)\n"
+        "    display(Image(data=small.getvalue()))\n"
+        "else:\n"
+        "    print('no quality plot yet')"
     ),
     new_markdown_cell(
         "Paired against the best member alone on each task (`python benchmarks/quality.py analyze`): per-prompt "

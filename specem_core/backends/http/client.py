@@ -177,13 +177,16 @@ class RetryPolicy:
     """
 
     max_retries: int = 3
+    """Retries after the first attempt (0: fail on the first retryable error)."""
     backoff_base: float = 0.5
     """First backoff in seconds; doubles per attempt, with ±50% jitter."""
     backoff_max: float = 20.0
+    """The longest backoff in seconds, before jitter."""
     max_retry_after: float = 60.0
     """A longer ``Retry-After`` is not waited for: the request fails."""
 
     def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (0-based)."""
         delay = min(self.backoff_max, self.backoff_base * (2**attempt))
         return float(delay * (0.5 + random.random()))
 
@@ -205,11 +208,13 @@ class BreakerPolicy:
     """
 
     failures_to_open: int = 3
+    """Transport failures in a row that open the breaker (at least 1)."""
     cool_down: float = 5.0
     """Seconds before the first probe of a server found down."""
     max_cool_down: float = 30.0
     """The cool-down doubles after each failed probe, up to this."""
     enabled: bool = True
+    """``False``: never open (every request is tried and retried as :class:`RetryPolicy` says)."""
 
     def __post_init__(self) -> None:
         if self.failures_to_open < 1:

@@ -202,6 +202,7 @@ class OpenAIHTTPMember:
         self._server_override = server
         self._context_window = context_window
         self.stats = MemberStats()
+        """This member's counters over its life (requests, cached prompt tokens, inexact scores)."""
         self.tokenizer: Any = None
         self.chat: ChatFormat | None = None
         self.end_of_turn: str | None = None
@@ -268,6 +269,7 @@ class OpenAIHTTPMember:
         run_sync(self.client.aclose())
 
     async def aclose(self) -> None:
+        """Async :meth:`close`."""
         await run_async(self.client.aclose())
 
     def __enter__(self) -> OpenAIHTTPMember:
