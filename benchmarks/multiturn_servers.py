@@ -41,8 +41,8 @@ the prompt tokens each read from the server's cache. Summary per row: seconds pe
 token over turns >= 2 and its ratio to the server alone of the row's strongest member, the first
 turn's ratio, the share of each verification's prompt read from the cache (the smallest), and for
 ``one:`` rows whether each turn's text is the server alone's.
-Writes ``benchmarks/results/multiturn_servers_llama_cpp_python.json`` or ``…_vllm.json`` (``--out``). Alone on the machine
-for figures (the lead runs them); timings under load are indicative only.
+Writes ``benchmarks/results/multiturn_servers_llama_cpp_python.json`` or ``…_vllm.json``
+(``--out``). Alone on the machine for figures; timings under load are indicative only.
 """
 
 from __future__ import annotations
