@@ -41,13 +41,10 @@ class MemberError(SpecEMError, RuntimeError):
 
 
 class AllMembersFailedError(SpecEMError, RuntimeError):
-    """Every member that could draft was excluded; no answer can be produced.
-
-    Attributes:
-        excluded: the request's exclusions (:class:`~specem_core.types.Exclusion`: member, stage,
-            error, round), as a result would have reported them (``specem serve`` counts them).
-    """
+    """Every member that could draft was excluded; no answer can be produced."""
 
     def __init__(self, message: str, excluded: Sequence[Any] = ()) -> None:
         super().__init__(message)
         self.excluded: tuple[Any, ...] = tuple(excluded)
+        """The request's exclusions (:class:`~specem_core.types.Exclusion`: member, stage, error,
+        round), as a result would have reported them (``specem serve`` counts them)."""
