@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agent_scripts import OPS, TOOLS, Writer, bare_call, looping, stubborn
+from agent_scripts import LOOPING_ENDS_ON_THE_LAST_RESULT, OPS, TOOLS, Writer, bare_call, looping, stubborn
 from script_loader import load_script
 
 from specem_core import SessionRequest, SpecEM, SpecEMConfig, ToolCall
@@ -236,9 +236,7 @@ def test_a_loop_of_new_calls_ends_in_words_within_the_round_limit() -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="#63, open: after add(84, 5) = 89 the member goes on with multiply(89, 5), add(445, 5), … "
-    "(new calls, which reapplies_last_call does not catch) until MAX_TOOL_ROUNDS, and the answer then "
-    "states the last result: 'The result is 11280.'",
+    reason=LOOPING_ENDS_ON_THE_LAST_RESULT,
 )
 def test_a_loop_of_new_calls_ends_with_the_right_answer() -> None:
     _, result = run_agent(engine(Writer("looper", looping)), TWO_STEPS)

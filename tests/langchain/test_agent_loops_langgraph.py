@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from agent_scripts import (  # type: ignore[import-not-found]
+    LOOPING_ENDS_ON_THE_LAST_RESULT,
     TOOLS,
     Writer,
     looping,
@@ -97,9 +98,7 @@ def test_create_agent_multi_step_loop_ends_within_the_round_limit() -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="#63, open: after add(84, 5) = 89 the member goes on with multiply(89, 5), add(445, 5), … "
-    "(new calls, which reapplies_last_call does not catch) until MAX_TOOL_ROUNDS, and the answer then "
-    "states the last result: 'The result is 11280.'",
+    reason=LOOPING_ENDS_ON_THE_LAST_RESULT,
 )
 def test_create_agent_multi_step_loop_ends_with_the_right_answer() -> None:
     from langchain.agents import create_agent

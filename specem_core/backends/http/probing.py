@@ -18,6 +18,7 @@ from specem_core.backends.http.probe import (
     PROBE_ANSWER,
     PROBE_QUESTION,
     MaxTokensZero,
+    ScorePath,
     ServerCapabilities,
     ServerKind,
     decide_shift,
@@ -52,16 +53,11 @@ async def probe_tokenizer(member: ServerMember, caps: ServerCapabilities, kind: 
 async def probe_next_token(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
     """vLLM: the log-prob of a named next token after a token-id prompt (``logprob_token_ids``),
     tried on the probe's answer the way scoring asks for it."""
-    prompt, _ = probe_text(member)
-    scorer = TokenScorer(member, "next_token", add_special_tokens=member.chat is None, count_in_member=False)
-    try:
-        scored = await scorer.score(prompt, PROBE_ANSWER, None)
-    except HTTPMemberError as exc:
-        if unreachable(exc):
-            raise
-        return replace(caps, notes=(*caps.notes, f"next-token log-probs unavailable: {exc}"))
-    if scored is None:
-        return replace(caps, notes=(*caps.notes, "next-token log-probs: nothing to score in the probe"))
+    scorer, failed = await _score_probe_answer(
+        member, "next_token", member.chat is None, "next-token log-probs", "nothing to score in the probe"
+    )
+    if scorer is None:
+        return replace(caps, notes=(*caps.notes, failed))
     reported = scorer.counts.cached_tokens is not None
     notes = list(caps.notes)
     if not reported:
@@ -75,17 +71,31 @@ async def probe_next_token(member: ServerMember, caps: ServerCapabilities) -> Se
 async def probe_forced(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
     """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
     log-prob; tried on the probe's answer the way scoring asks for it."""
+    scorer, failed = await _score_probe_answer(
+        member, "forced", True, "forced scoring", "the probe's answer could not be forced"
+    )
+    if scorer is None:
+        return replace(caps, notes=(*caps.notes, failed))
+    return replace(caps, token_grammar=True)
+
+
+async def _score_probe_answer(
+    member: ServerMember, path: ScorePath, add_special_tokens: bool, label: str, nothing_scored: str
+) -> tuple[TokenScorer | None, str]:
+    """Score the probe's answer on ``path`` as verification will: the scorer when it scored, else
+    ``None`` and the note saying why (``label``: the path's name in it). An unreachable server
+    raises; any other error only means the server lacks the path."""
     prompt, _ = probe_text(member)
-    scorer = TokenScorer(member, "forced", add_special_tokens=True, count_in_member=False)
+    scorer = TokenScorer(member, path, add_special_tokens=add_special_tokens, count_in_member=False)
     try:
         scored = await scorer.score(prompt, PROBE_ANSWER, None)
     except HTTPMemberError as exc:
         if unreachable(exc):
             raise
-        return replace(caps, notes=(*caps.notes, f"forced scoring unavailable: {exc}"))
+        return None, f"{label} unavailable: {exc}"
     if scored is None:
-        return replace(caps, notes=(*caps.notes, "forced scoring: the probe's answer could not be forced"))
-    return replace(caps, token_grammar=True)
+        return None, f"{label}: {nothing_scored}"
+    return scorer, ""
 
 
 def probe_text(member: ServerMember) -> tuple[str, str]:
