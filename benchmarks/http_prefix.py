@@ -10,7 +10,8 @@ call the members make: its kind (a draft, or a verification: ``echo`` with promp
 next-token request), its prompt tokens and the tokens the server read from its cache. vLLM turns
 ``echo`` + ``logprobs`` into prompt log-probs and then skips *reading* its prefix cache
 (``skip_reading_prefix_cache``), so with ``--verify-mode echo`` (the path before #62) drafts hit
-the cache and verifications do not; the default path (``next_token``) reads it for both.
+the cache and verifications do not; the default path here (``next_token``: the server is started
+without ``--enable-scale-out``, so ``prompt_tail`` is not offered) reads it for both.
 Writes ``benchmarks/results/http_prefix_vllm.json`` (``--out``).
 """
 

@@ -32,14 +32,18 @@ pair then run on the machine's two cores without competing; every row uses the s
 rows compare like for like) and ``--verbose true`` (its log says how many prompt tokens each
 request read from the KV prefix). vLLM: the converted weights in bfloat16, one OpenMP thread
 pinned to its own core per server, ``--enable-prompt-tokens-details`` (each answer says how many
-prompt tokens came from the prefix cache), ``--block-size`` from ``--vllm-block-size`` (vLLM's CPU
-default 128; GPUs use 16). The 1.5B has no Hugging Face weights here (GGUF only), so vLLM rows use
-the 0.5B and SmolLM2.
+prompt tokens came from the prefix cache), ``--enable-scale-out`` (the token-in-token-out endpoint
+of the ``prompt_tail`` path), ``--block-size`` from ``--vllm-block-size`` (default 32, the smallest
+its CPU attention takes: a request reads its prompt from the cache in whole blocks and computes
+the rest; vLLM's CPU default is 128, GPUs use 16). The 1.5B has no Hugging Face weights here (GGUF
+only), so vLLM rows use the 0.5B and SmolLM2.
 
-Per turn: seconds, completion tokens, the text, and per member the drafts and verifications with
-the prompt tokens each read from the server's cache. Summary per row: seconds per completion
-token over turns >= 2 and its ratio to the server alone of the row's strongest member, the first
-turn's ratio, the share of each verification's prompt read from the cache (the smallest), and for
+Per turn: seconds, completion tokens (the answer text's tokens by the server of the row's
+strongest model, on every row: SpecEM's usage leaves out the end of turn, a server's counts it),
+the text, and per member the drafts and verifications with the prompt tokens each read from the
+server's cache. Summary per row: seconds per completion token over turns >= 2 and its ratio to
+the server alone of the row's strongest member, the first turn's ratio, the share of each
+verification's prompt read from the cache (the smallest), and for
 ``one:`` rows whether each turn's text is the server alone's.
 Writes ``benchmarks/results/multiturn_servers_llama_cpp_python.json`` or ``…_vllm.json``
 (``--out``). Alone on the machine for figures; timings under load are indicative only.
@@ -83,7 +87,7 @@ PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 def start(server: str, model: str, core: int, args: argparse.Namespace) -> LlamaServer:
     name = MODELS[model]
     if server == "vllm":
-        extra = ["--enable-prompt-tokens-details", "--block-size", str(args.vllm_block_size)]
+        extra = ["--enable-prompt-tokens-details", "--enable-scale-out", "--block-size", str(args.vllm_block_size)]
         return start_vllm_server(name, alias=name, max_model_len=4096, cpu_core=core, extra_args=extra)
     return start_server(name, alias=name, n_ctx=4096, n_threads=args.threads, verbose=True)
 
@@ -124,7 +128,9 @@ class Calls:
             started = time.perf_counter()
             answer = await original(self, method, path, payload, **kw)
             body = payload or {}
-            if path.endswith("/completions"):
+            if path.endswith("/inference/v1/generate"):
+                kind = "verify"  # prompt_tail
+            elif path.endswith("/completions"):
                 kind = "verify" if body.get("echo") or body.get("grammar") or body.get("logprob_token_ids") else "draft"
             else:
                 kind = "other"
@@ -172,6 +178,21 @@ def member_figures(calls: list[dict[str, Any]], logged: list[tuple[int, int]] | 
 
 
 # -- rows ----------------------------------------------------------------------------------------
+def count_tokens(client: Any, server: LlamaServer, model: str, text: str) -> int:
+    """The answer text's tokens by the server's own tokenizer, the count every row uses (the same
+    text counts the same on every row): SpecEM's usage counts its committed tokens, a server's
+    usage also the end-of-turn token it generated (vLLM: one more a turn), and a chat-drafting
+    member's count is the server's."""
+    if not text:
+        return 0
+    root = server.base_url.removesuffix("/v1")
+    if isinstance(server, VLLMServer):
+        body = {"model": MODELS[model], "prompt": text, "add_special_tokens": False}
+        return int(client.post(f"{root}/tokenize", json=body).json()["count"])
+    answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
+    return len(answer["tokens"])
+
+
 def alone_asker(server: LlamaServer, model: str) -> Any:
     """Greedy chat completions on the server's own model, streamed (the peer a user would run)."""
     import httpx
@@ -206,21 +227,21 @@ def alone_asker(server: LlamaServer, model: str) -> Any:
                     parts.append(delta)
         text = "".join(parts)
         seconds = time.perf_counter() - start_time
-        tokens = usage.get("completion_tokens") or count_tokens(text)
-        return {"seconds": seconds, "first_segment": first, "completion_tokens": tokens, "text": text}, text
-
-    def count_tokens(text: str) -> int:
-        """The answer's tokens, by the server's own tokenizer (llama-cpp-python streams no usage)."""
-        if not text:
-            return 0
-        root = server.base_url.removesuffix("/v1")
-        answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
-        return len(answer["tokens"])
+        record = {
+            "seconds": seconds,
+            "first_segment": first,
+            "completion_tokens": count_tokens(client, server, model, text),
+            "text": text,
+        }
+        record["usage_completion_tokens"] = usage.get("completion_tokens")
+        return record, text
 
     return ask
 
 
 def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Calls, args: argparse.Namespace) -> Any:
+    import httpx
+
     from specem_core import SpecEM
     from specem_core.presets import get_preset
     from specem_core.registry import load_member
@@ -243,6 +264,8 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
     if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
         overrides["weights"] = prior  # the quality pair: its shipped prior, whose names the members carry
     engine = SpecEM.from_preset("quality", members=members, **overrides)
+    counter_model, counter = min(servers, key=lambda s: STRENGTH.index(s[0]))  # the strongest member's tokens
+    client = httpx.Client(timeout=600)
     offsets = {srv.base_url: 0 for _, srv in servers}
     for _, srv in servers:
         if not isinstance(srv, VLLMServer):
@@ -263,7 +286,8 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
         record = {
             "seconds": seconds,
             "first_segment": result.first_segment_seconds,
-            "completion_tokens": result.usage.completion_tokens,
+            "completion_tokens": count_tokens(client, counter, counter_model, result.text),
+            "usage_completion_tokens": result.usage.completion_tokens,
             "rounds": len(result.segments),
             "text": result.text,
             "members": per_member,
@@ -377,7 +401,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="new tokens a turn, at most")
     parser.add_argument("--segment-len", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="threads of every llama-cpp-python server")
-    parser.add_argument("--vllm-block-size", type=int, default=128, help="vLLM --block-size (CPU default 128)")
+    parser.add_argument(
+        "--vllm-block-size", type=int, default=32, help="vLLM --block-size (32: the CPU kernel's smallest; default 128)"
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, RAG only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

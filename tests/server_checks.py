@@ -112,9 +112,13 @@ class Recorder(httpx.AsyncHTTPTransport):
         return httpx.Response(response.status_code, headers=response.headers, content=raw, request=request)
 
     def scoring(self) -> list[tuple[dict[str, Any], Any]]:
-        """The scoring requests (echo, forced or next-token) among the calls, with their answers."""
+        """The scoring requests (echo, forced, next-token or prompt-tail) among the calls, with
+        their answers."""
         out = []
         for path, body, answer in self.calls:
+            if path.endswith("/inference/v1/generate"):
+                out.append((body, answer))
+                continue
             if not path.endswith("/completions") or path.endswith("chat/completions"):
                 continue
             if body.get("echo") or body.get("grammar") or body.get("logprob_token_ids"):

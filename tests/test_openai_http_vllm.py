@@ -6,7 +6,8 @@ vLLM pins its own torch and transformers, so it lives in its own environment
 it these tests skip and say so. The server is started on the converted SmolLM2 weights (the same
 numbers the transformers member runs), served as ``smollm2`` (a packaged model's name) with
 ``--enable-prompt-tokens-details`` (it reports the prompt tokens each request read from its prefix
-cache), and stopped after the module.
+cache) and ``--enable-scale-out`` (its token-in-token-out endpoint: the ``prompt_tail`` path), and
+stopped after the module.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ a whole prefill, in bfloat16 (measured within 0.01 on the 0.5B); a misplaced tok
 @pytest.fixture(scope="module")
 def server() -> Iterator[LlamaServer]:
     names = ["--served-model-name", "smollm2", "served-by-vllm"]  # a packaged name, and one no machine knows
-    options = ["--enable-prompt-tokens-details", "--block-size", str(BLOCK)]
+    options = ["--enable-prompt-tokens-details", "--enable-scale-out", "--block-size", str(BLOCK)]
     srv = start_vllm_server("smollm2", extra_args=[*names, *options])
     try:
         yield srv
@@ -79,15 +80,37 @@ def test_probe_recognises_vllm(templated: OpenAIHTTPMember, server_rendered: Ope
     assert caps.server == "vllm"
     assert caps.echo_shift == 0  # vLLM's echo logprobs are aligned, unlike llama-cpp-python's
     assert caps.max_tokens_zero == "zero"  # max_tokens=0 is a 400 except with echo: scoring generates nothing
-    assert caps.score_paths == ("next_token", "echo")
+    assert caps.score_paths == ("prompt_tail", "next_token", "echo")
     assert caps.reports_cached_tokens
+    assert caps.prompt_tail
+    assert caps.scoring_reads_cache
     assert caps.renders_messages
     assert templated.modes == ("completions", "logprobs")
-    assert templated.score_path == "next_token"
+    assert templated.score_path == "prompt_tail"
     assert server_rendered.prompt_source == "server"
     assert server_rendered.modes == ("completions", "logprobs")  # exact prompts: no chat prefill needed
     prefill = OpenAIHTTPMember(templated.base_url, name="prefill", draft_mode="chat_prefill")
     assert prefill.probe().chat_prefill is True
+
+
+class WithoutScaleOut(Recorder):
+    """The server as vLLM runs it without ``--enable-scale-out``: its token-in-token-out endpoint
+    answers 403 (vLLM's own answer, here for that one path)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/inference/v1/generate"):
+            message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+            error = {"error": {"message": message, "type": "PermissionDeniedError", "code": 403}}
+            return httpx.Response(403, json=error, request=request)
+        return await super().handle_async_request(request)
+
+
+def test_without_scale_out_verification_takes_next_token_and_says_why(server: LlamaServer) -> None:
+    member = load_member(f"openai:{server.base_url}#smollm2", transport=WithoutScaleOut())
+    caps = member.probe()
+    assert caps.score_paths == ("next_token", "echo")
+    assert member.score_path == "next_token"
+    assert any("--enable-scale-out" in note for note in caps.notes), caps.notes
 
 
 def test_server_rendered_prompt_is_the_local_template(
@@ -111,29 +134,31 @@ def test_scores_match_transformers_on_the_same_weights(templated: OpenAIHTTPMemb
         assert remote[0].mean_logprob > remote[1].mean_logprob + 1.0
 
 
-def test_next_token_scores_equal_the_echo_scores_on_fixed_rounds(server: LlamaServer) -> None:
+@pytest.mark.parametrize("path", ["prompt_tail", "next_token"])
+def test_cache_path_scores_equal_the_echo_scores_on_fixed_rounds(server: LlamaServer, path: str) -> None:
     spec = f"openai:{server.base_url}#smollm2"
-    fast = load_member(spec, name="next-token", verify_mode="next_token")
+    fast = load_member(spec, name=path, verify_mode=path)
     full = load_member(spec, name="echo", verify_mode="echo")
     result = compare_paths(fast, full)
-    print(f"next_token vs echo, {len(result.rows)} rounds: largest difference {result.max_difference:.4f} nats")
+    print(f"{path} vs echo, {len(result.rows)} rounds: largest difference {result.max_difference:.4f} nats")
     assert result.same_token_counts
     assert result.same_winners
     assert result.max_difference <= PATH_TOLERANCE, result.rows
 
 
-def test_verification_reads_the_prefix_cache(server: LlamaServer) -> None:
-    """What the server reports (``usage.prompt_tokens_details.cached_tokens``): every next-token
-    scoring request reads all its prompt from the prefix cache but the tail since its last full
-    block (at least 90% here). The echo path, for contrast, reads none (vLLM computes prompt
-    log-probs only in a full prefill)."""
+@pytest.mark.parametrize("path", ["prompt_tail", "next_token"])
+def test_verification_reads_the_prefix_cache(server: LlamaServer, path: str) -> None:
+    """What the server reports (``usage.prompt_tokens_details.cached_tokens``): every scoring
+    request reads all its prompt from the prefix cache but the tail since its last full block (and,
+    on ``prompt_tail``, the candidate it scores): at least 90% here. The echo path, for contrast,
+    reads none (vLLM computes prompt log-probs only in a full prefill)."""
     from multiturn import rag_turns
 
-    system, questions = rag_turns(1, context_lines=14)  # ~400 tokens: the last partial block is < 10%
+    system, questions = rag_turns(1, context_lines=20)  # ~560 tokens: tail and candidate are < 10%
     messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
     recorder = Recorder()
     spec = f"openai:{server.base_url}#smollm2"
-    member = load_member(spec, name="fast", transport=recorder)
+    member = load_member(spec, name=f"fast-{path}", transport=recorder, verify_mode=path)
     session = member.open(SessionRequest(messages))
     committed = session.draft(8, SamplingParams()).text
     session.commit(committed)
@@ -146,10 +171,13 @@ def test_verification_reads_the_prefix_cache(server: LlamaServer) -> None:
     for _, answer in scoring:
         usage = answer["usage"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= usage["prompt_tokens"] - BLOCK, usage
+        candidate = 12 if path == "prompt_tail" else 0  # the tokens of " in Lisbon, making solar panels", at most
+        assert cached >= usage["prompt_tokens"] - BLOCK - candidate, usage
         assert cached >= 0.9 * usage["prompt_tokens"], usage
+    if path == "prompt_tail":  # one request per candidate at most (the own draft needs none)
+        assert len(scoring) <= len(cands)
     trace = session.server_trace()
-    assert trace["score_path"] == "next_token"
+    assert trace["score_path"] == path
     assert trace["scored_from_draft"] >= len(draft.text.split())
     assert trace["draft_cached_tokens"] > 0
     assert trace["score_cached_tokens"] > 0

@@ -29,8 +29,9 @@ at start-up (a warning naming ``tokenizer=``).
 **Verification** (``verify_mode="logprobs"``, or ``auto``) scores a candidate exactly: the mean
 log-prob of its tokens after ``prompt + R``, on the fastest exact path the probe found
 (:data:`~specem_core.backends.http.probe.ScorePath`, in :attr:`ServerCapabilities.score_paths`;
-``verify_mode="echo"`` / ``"next_token"`` / ``"forced"`` forces one). ``next_token`` (vLLM) and
-``forced`` (llama-cpp-python) read the server's prefix cache
+``verify_mode="echo"`` / ``"prompt_tail"`` / ``"next_token"`` / ``"forced"`` forces one).
+``prompt_tail`` and ``next_token`` (vLLM) and ``forced`` (llama-cpp-python) read the server's prefix
+cache
 (:mod:`specem_core.backends.http.token_scoring`); ``echo`` sends ``prompt + R + candidate
 [+ end-of-turn]`` with ``echo`` + ``logprobs``, locates the candidate's tokens by character offsets
 (:mod:`specem_core.backends.http.alignment`) and costs a whole prompt every time. Servers expose
@@ -116,8 +117,8 @@ class OpenAIHTTPMember:
             known locally, or rendered by the server), else ``chat_prefill`` when the server
             supports it, else ``chat_continue``, else plain-format completions.
         verify_mode: ``auto`` scores exactly on the fastest path the server offers and falls back
-            to ``judge``; ``logprobs`` insists on an exact path; ``echo``, ``next_token`` or
-            ``forced`` names one (:data:`~specem_core.backends.http.probe.ScorePath`); a member
+            to ``judge``; ``logprobs`` insists on an exact path; ``echo``, ``prompt_tail``,
+            ``next_token`` or ``forced`` names one (:data:`~specem_core.backends.http.probe.ScorePath`); a member
             whose server supports none stops verifying (logged).
         tokenizer: a tokenizer object, a tokenizer directory or a Hugging Face id: the source of
             the chat template (and of exact token counts). For a packaged model name
@@ -492,9 +493,11 @@ class OpenAIHTTPMember:
             scores
             and caps.completions
             and caps.tokenize == "vllm"
-            and self.verify_mode in ("auto", "logprobs", "next_token")
+            and self.verify_mode in ("auto", "logprobs", "prompt_tail", "next_token")
         ):
             caps = await probing.probe_next_token(self, caps)
+        if scores and caps.next_token_logprobs and self.verify_mode in ("auto", "logprobs", "prompt_tail"):
+            caps = await probing.probe_prompt_tail(self, caps)
         if (
             scores
             and caps.completions
@@ -503,6 +506,8 @@ class OpenAIHTTPMember:
         ):
             caps = await probing.probe_forced(self, caps)
         paths: list[ScorePath] = []
+        if caps.prompt_tail:
+            paths.append("prompt_tail")
         if caps.next_token_logprobs:
             paths.append("next_token")
         if caps.token_grammar:

@@ -15,6 +15,14 @@ The scoring paths, all exact (the mean log-prob of the candidate's tokens as the
   request. vLLM computes prompt log-probs only in a full prefill (it skips *reading* its prefix
   cache for them); llama-cpp-python reuses its KV prefix but lists every prompt position in Python
   (a sort of the whole vocabulary per position): both cost the whole prompt, every round.
+* ``"prompt_tail"`` (vLLM, served with ``--enable-scale-out`` and ``--enable-prompt-tokens-details``):
+  one request per candidate to vLLM's token-in-token-out endpoint (``/inference/v1/generate``), the
+  token ids of ``prompt + answer + candidate`` with prompt log-probs and
+  ``skip_reading_prefix_cache: false``: the server reads its prefix cache in whole blocks and
+  computes the rest, so the candidate's log-probs are those of the computed tail (the positions
+  read from the cache come back without values: ``cached_tokens`` says where they end; a candidate
+  token among them is asked for on the ``next_token`` path). One forward pass over the tail per
+  candidate.
 * ``"next_token"`` (vLLM): one ``/v1/completions`` request per candidate token, its prompt the
   token ids up to that token, ``logprob_token_ids`` naming it: every request reads the prefix
   cache and computes the tail since its last full cache block; the tokens of the member's own
@@ -35,12 +43,12 @@ from specem_core.backends.http.alignment import EchoLogprobs, align_echo, top_to
 from specem_core.backends.http.errors import HTTPMemberError
 
 DraftMode = Literal["auto", "completions", "chat_prefill", "chat_continue"]
-ScorePath = Literal["echo", "next_token", "forced"]
+ScorePath = Literal["echo", "prompt_tail", "next_token", "forced"]
 """How an exact verifier gets its log-probs (module docstring)."""
-VerifyMode = Literal["auto", "logprobs", "echo", "next_token", "forced", "judge"]
+VerifyMode = Literal["auto", "logprobs", "echo", "prompt_tail", "next_token", "forced", "judge"]
 """``auto``: the fastest exact path, else the judge; ``logprobs``: the fastest exact path;
-``echo`` / ``next_token`` / ``forced``: that exact path; ``judge``: a labelled-choice judge."""
-SCORE_PATHS: tuple[ScorePath, ...] = ("echo", "next_token", "forced")
+``echo`` / ``prompt_tail`` / ``next_token`` / ``forced``: that exact path; ``judge``: a labelled-choice judge."""
+SCORE_PATHS: tuple[ScorePath, ...] = ("echo", "prompt_tail", "next_token", "forced")
 ServerKind = Literal["vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai", "generic"]
 MaxTokensZero = Literal["zero", "unlimited", "rejected", "unknown"]
 TokenizeAPI = Literal["vllm", "llama-cpp-python"]
@@ -72,6 +80,9 @@ class ServerCapabilities:
     """The server renders a conversation with the model's chat template (vLLM's ``/tokenize``)."""
     next_token_logprobs: bool = False
     """``logprob_token_ids`` on ``/v1/completions`` with a token-id prompt (vLLM)."""
+    prompt_tail: bool = False
+    """Prompt log-probs that read the prefix cache on ``/inference/v1/generate`` (vLLM
+    ``--enable-scale-out``)."""
     token_grammar: bool = False
     """A grammar of token ids (``root ::= <[id]> ...``) forces exactly those tokens (llama.cpp)."""
     reports_cached_tokens: bool = False
@@ -88,7 +99,7 @@ class ServerCapabilities:
     @property
     def scoring_reads_cache(self) -> bool:
         """Whether verification on the fastest path reads the server's prefix cache."""
-        return self.score_path in ("next_token", "forced")
+        return self.score_path in ("prompt_tail", "next_token", "forced")
 
 
 PROBE_QUESTION = "Count from 1 to 40, separated by commas."

@@ -68,6 +68,20 @@ async def probe_next_token(member: ServerMember, caps: ServerCapabilities) -> Se
     return replace(caps, next_token_logprobs=True, reports_cached_tokens=reported, notes=tuple(notes))
 
 
+async def probe_prompt_tail(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
+    """vLLM: prompt log-probs that read the prefix cache on the token-in-token-out endpoint
+    (``/inference/v1/generate``, served with ``--enable-scale-out``); tried on the probe's answer the
+    way scoring asks for it. Without the flag vLLM answers 403 (404 before it had the endpoint)."""
+    if not caps.reports_cached_tokens:  # the answer must say which positions it computed
+        return caps
+    scorer, failed = await _score_probe_answer(
+        member, "prompt_tail", member.chat is None, "cached prompt log-probs", "nothing to score in the probe"
+    )
+    if scorer is None:
+        return replace(caps, notes=(*caps.notes, failed))
+    return replace(caps, prompt_tail=True)
+
+
 async def probe_forced(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
     """llama.cpp: a grammar of token ids forces exactly those tokens, each listed with its
     log-prob; tried on the probe's answer the way scoring asks for it."""
@@ -90,6 +104,8 @@ async def _score_probe_answer(
     try:
         scored = await scorer.score(prompt, PROBE_ANSWER, None)
     except HTTPMemberError as exc:
+        if path == "prompt_tail" and exc.status in (403, 404, 405):
+            return None, f"{label} unavailable ({exc.status}): serve vLLM with --enable-scale-out for them"
         if unreachable(exc):
             raise
         return None, f"{label} unavailable: {exc}"

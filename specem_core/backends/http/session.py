@@ -66,7 +66,7 @@ class OpenAIHTTPSession(MemberSession):
         """How this session scores (``None``: the judge, or no verification)."""
         self._score_counts = ScoreCounts()
         self._scorer: TokenScorer | None = None
-        if self.score_path in ("next_token", "forced"):
+        if self.score_path in ("prompt_tail", "next_token", "forced"):
             self._scorer = TokenScorer(member, self.score_path, member.add_special_tokens, self._score_counts)
         self._draft_prompt_tokens = 0
         self._draft_cached_tokens: int | None = None
@@ -232,9 +232,9 @@ class OpenAIHTTPSession(MemberSession):
             payload = m.body(prompt=base, max_tokens=max_tokens, **params, **m.completion_fields())
             if stops:
                 payload["stop"] = stops
-            # the draft's own tokens and raw log-probs score it on the next_token path (greedy only:
-            # a server may report log-probs after its sampling steps)
-            own = self._scorer is not None and self._scorer.path == "next_token" and _greedy(sampling)
+            # the draft's own tokens and raw log-probs score it on vLLM's paths (greedy only: a
+            # server may report log-probs after its sampling steps)
+            own = self._scorer is not None and self._scorer.path in ("prompt_tail", "next_token") and _greedy(sampling)
             if own:
                 payload.update(logprobs=0, return_token_ids=True)
             answer = await m.client.post("/completions", payload)

@@ -1,5 +1,6 @@
-"""Exact scoring that reads the server's prefix cache: the ``next_token`` path (vLLM) and the
-``forced`` path (llama-cpp-python); the paths are described in :mod:`specem_core.backends.http.probe`.
+"""Exact scoring that reads the server's prefix cache: the ``prompt_tail`` and ``next_token`` paths
+(vLLM) and the ``forced`` path (llama-cpp-python); the paths are described in
+:mod:`specem_core.backends.http.probe`.
 
 Both work on the server's own tokens. The candidate's tokens are those of the server's
 tokenization of ``prompt + answer + candidate [+ end of turn]`` after the longest prefix it shares
@@ -7,6 +8,13 @@ with the tokenization of ``prompt + answer`` (a boundary merge re-reads the answ
 the local backends do), so a row equals the echo path's row up to the numerics of computing a
 position in a batch of one rather than in a prefill.
 
+* ``prompt_tail``: one ``/inference/v1/generate`` request per candidate (token ids in, prompt
+  log-probs out, ``skip_reading_prefix_cache: false``, ``detokenize: false``): the log-prob of
+  every position after the ``cached_tokens`` the answer reports is computed in this request, and
+  those are the values taken (a cached position's value is not computed: vLLM 0.32 sends whatever
+  its buffer held, and would fail detokenizing it). Candidate tokens at or before that point (the
+  cache held a block of them: a candidate scored before) come from the member's own draft or the
+  ``next_token`` path.
 * ``next_token``: one ``/v1/completions`` request per candidate token whose log-prob is not
   known yet, its prompt the token ids before it and ``logprob_token_ids`` naming it (``max_tokens``
   1); all of a round's requests run at once and identical ones are sent once. A token of the
@@ -113,6 +121,32 @@ def next_token_logprob(body: Any, token: int) -> float:
     return value
 
 
+def prompt_tail_logprobs(body: Any, ids: Sequence[int]) -> dict[int, float]:
+    """Position -> log-prob of ``ids[position]`` for every position a ``/inference/v1/generate``
+    answer computed: those after its ``cached_tokens`` (a position's log-prob comes from the state
+    of the one before it, and the cached ones were never computed).
+
+    Raises:
+        ServerResponseError: the answer has no prompt log-probs or does not say what it read from
+            its cache (vLLM without ``--enable-prompt-tokens-details``).
+        AlignmentError: a computed position does not list its token.
+    """
+    rows = body.get("prompt_logprobs") if isinstance(body, dict) else None
+    cached = cached_tokens(body)
+    if not isinstance(rows, list) or len(rows) != len(ids):
+        raise ServerResponseError("the answer has no prompt log-probs for every prompt token")
+    if cached is None:
+        raise ServerResponseError("the answer does not report its cached prompt tokens")
+    out: dict[int, float] = {}
+    for p in range(max(1, cached + 1), len(ids)):
+        entry = rows[p].get(str(ids[p])) if isinstance(rows[p], dict) else None
+        value = logprob_value(entry.get("logprob")) if isinstance(entry, dict) else None
+        if value is None:
+            raise AlignmentError(f"the server did not list the log-prob of prompt token {p}")
+        out[p] = value
+    return out
+
+
 def forced_logprobs(chunks: Sequence[Any], expected: int) -> list[float]:
     """The log-probs of the tokens a forced, streamed completion generated, in order.
 
@@ -180,7 +214,7 @@ class ScoreCounts:
 
 
 class TokenScorer:
-    """Scores candidates on the ``next_token`` or ``forced`` path for one session.
+    """Scores candidates on the ``prompt_tail``, ``next_token`` or ``forced`` path for one session.
 
     ``score`` returns ``None`` when the path cannot score this candidate exactly (the caller then
     uses the echo path): text a server may read as a special token on ``forced``, or a prefix it
@@ -196,8 +230,8 @@ class TokenScorer:
         *,
         count_in_member: bool = True,
     ) -> None:
-        if path not in ("next_token", "forced"):
-            raise ValueError(f"TokenScorer serves next_token and forced, not {path!r}")
+        if path not in ("prompt_tail", "next_token", "forced"):
+            raise ValueError(f"TokenScorer serves prompt_tail, next_token and forced, not {path!r}")
         self._m = member
         self.path = path
         self._add_special = add_special_tokens
@@ -222,7 +256,7 @@ class TokenScorer:
         if known is not None:
             return known
         m = self._m
-        if self.path == "next_token":
+        if self.path != "forced":  # vLLM's /tokenize
             body = {"prompt": text, "add_special_tokens": self._add_special}
             if m.model is not None:
                 body["model"] = m.model
@@ -280,10 +314,11 @@ class TokenScorer:
             start = common_prefix(base_ids, full_ids)
             if start >= len(full_ids):
                 return None
-            values = await self._next_token(full_ids, start)
+            values = await self._ids_path(full_ids, start)
         return sum(values) / len(values), len(values)
 
-    async def _next_token(self, ids: list[int], start: int) -> list[float]:
+    def _from_draft(self, ids: list[int], start: int) -> list[float | None]:
+        """The log-probs of ``ids[start:]`` the member's own draft already gave (same ids before)."""
         draft = self.draft
         known: list[float | None] = [None] * (len(ids) - start)
         if draft is not None:
@@ -291,14 +326,27 @@ class TokenScorer:
             shared = common_prefix(mine, ids)
             for p in range(max(start, len(draft.prompt_ids)), min(shared, len(ids))):
                 known[p - start] = draft.logprobs[p - len(draft.prompt_ids)]
+                self.counts.from_draft += 1
+        return known
+
+    async def _ids_path(self, ids: list[int], start: int) -> list[float]:
+        """The log-probs of ``ids[start:]`` on the ``prompt_tail`` or ``next_token`` path."""
+        known = self._from_draft(ids, start)
+        if self.path == "prompt_tail" and None in known:
+            tail = await self._send_tail(ids)
+            for p, value in tail.items():
+                if p >= start and known[p - start] is None:
+                    known[p - start] = value
+        return await self._next_token(ids, start, known)
+
+    async def _next_token(self, ids: list[int], start: int, known: list[float | None]) -> list[float]:
+        """Fill the unknown log-probs of ``ids[start:]``, one request per token."""
         waits: list[Awaitable[float]] = []
         slots: list[int] = []
         for k, value in enumerate(known):
             if value is None:
                 slots.append(k)
                 waits.append(self._request_next(ids[: start + k + 1]))
-            else:
-                self.counts.from_draft += 1
         for k, value in zip(slots, await asyncio.gather(*waits), strict=True):
             known[k] = value
         return [v for v in known if v is not None]
@@ -325,6 +373,26 @@ class TokenScorer:
         answer = await m.client.post("/completions", payload)
         self.counts.add(answer, self._stats)
         return next_token_logprob(answer, ids[-1])
+
+    async def _send_tail(self, ids: list[int]) -> dict[int, float]:
+        """Position -> log-prob of every position of ``ids`` the server computed (not read from its
+        prefix cache) in one token-in-token-out request."""
+        m = self._m
+        payload: dict[str, Any] = {
+            "token_ids": list(ids),
+            "sampling_params": {
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+                "detokenize": False,  # the cached positions' ids are not real ids
+                "skip_reading_prefix_cache": False,
+            },
+        }
+        if m.model is not None:
+            payload["model"] = m.model
+        answer = await m.client.post(f"{self._root}/inference/v1/generate", payload)
+        self.counts.add(answer, self._stats)
+        return prompt_tail_logprobs(answer, ids)
 
     async def _forced(
         self, base: str, text: str, base_ids: list[int], ids: list[int], start: int
