@@ -115,8 +115,12 @@ class Calls:
     """Every request the members sent, with its answer's usage, by server (in completion order:
     a llama-cpp-python server answers one request at a time, so this is its log's order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: int | None = None) -> None:
         self.by_server: dict[str, list[dict[str, Any]]] = {}
+        self.block = block
+        """vLLM's --block-size: a request can read its context from the cache in whole blocks only."""
+        self.draft_ids: dict[str, list[int]] = {}
+        """The prompt ids of each server's last draft (vLLM lists them): a verification's context."""
 
     def install(self) -> None:
         from specem_core.backends.http.client import OpenAIClient
@@ -126,24 +130,38 @@ class Calls:
 
         async def recorded(self: OpenAIClient, method: str, path: str, payload: Any = None, **kw: Any) -> Any:
             started = time.perf_counter()
-            answer = await original(self, method, path, payload, **kw)
             body = payload or {}
             if path.endswith("/inference/v1/generate"):
-                kind = "verify"  # prompt_tail
+                kind, how = "verify", "prompt_tail"
             elif path.endswith("/completions"):
+                how = "echo" if body.get("echo") else "forced" if body.get("grammar") else "next_token"
                 kind = "verify" if body.get("echo") or body.get("grammar") or body.get("logprob_token_ids") else "draft"
             else:
-                kind = "other"
+                kind, how = "other", path.rsplit("/", 1)[-1]
+            try:
+                answer = await original(self, method, path, payload, **kw)
+            except Exception as exc:
+                failed = {"kind": "failed", "path": how, "error": repr(exc)[:300]}
+                calls.by_server.setdefault(self.base_url, []).append(failed)
+                raise
             usage = answer.get("usage") if isinstance(answer, dict) else None
             details = (usage or {}).get("prompt_tokens_details") or {}
-            calls.by_server.setdefault(self.base_url, []).append(
-                {
-                    "kind": kind,
-                    "prompt_tokens": (usage or {}).get("prompt_tokens"),
-                    "cached_tokens": details.get("cached_tokens"),
-                    "seconds": round(time.perf_counter() - started, 3),
-                }
-            )
+            record = {
+                "kind": kind,
+                "path": how,
+                "prompt_tokens": (usage or {}).get("prompt_tokens"),
+                "cached_tokens": details.get("cached_tokens"),
+                "seconds": round(time.perf_counter() - started, 3),
+            }
+            if kind == "draft":
+                choice = (answer.get("choices") or [{}])[0] if isinstance(answer, dict) else {}
+                if isinstance(choice.get("prompt_token_ids"), list):
+                    calls.draft_ids[self.base_url] = choice["prompt_token_ids"]
+            ids = body.get("token_ids") or body.get("prompt")
+            if kind == "verify" and isinstance(ids, list) and self.base_url in calls.draft_ids:
+                # the conversation it verifies after: the ids it shares with this round's draft
+                record["context_tokens"] = shared_prefix(ids, calls.draft_ids[self.base_url])
+            calls.by_server.setdefault(self.base_url, []).append(record)
             return answer
 
         OpenAIClient.request_json = recorded  # type: ignore[method-assign]  # measuring only
@@ -153,9 +171,11 @@ class Calls:
         return out
 
 
-def member_figures(calls: list[dict[str, Any]], logged: list[tuple[int, int]] | None) -> dict[str, Any]:
+def member_figures(
+    calls: list[dict[str, Any]], logged: list[tuple[int, int]] | None, block: int | None = None
+) -> dict[str, Any]:
     """Drafts and verifications of one member in one turn, and the prompt tokens read from cache."""
-    generating = [c for c in calls if c["kind"] != "other"]
+    generating = [c for c in calls if c["kind"] in ("draft", "verify")]
     if logged is not None and len(logged) == len(generating):  # llama-cpp-python: its own log
         for call, (read, evaluated) in zip(generating, logged, strict=True):
             call["cached_tokens"] = read
@@ -166,6 +186,7 @@ def member_figures(calls: list[dict[str, Any]], logged: list[tuple[int, int]] | 
         prompt = sum(c["prompt_tokens"] or 0 for c in mine)
         cached = [c["cached_tokens"] for c in mine if c["cached_tokens"] is not None]
         out[f"{kind}_requests"] = len(mine)
+        out[f"{kind}_call_seconds"] = [c["seconds"] for c in mine]
         out[f"{kind}_prompt_tokens"] = prompt
         out[f"{kind}_cached_tokens"] = sum(cached) if cached else None
         shares = [
@@ -174,7 +195,29 @@ def member_figures(calls: list[dict[str, Any]], logged: list[tuple[int, int]] | 
             if c["cached_tokens"] is not None and c["prompt_tokens"]
         ]
         out[f"{kind}_min_cached_share"] = round(min(shares), 3) if shares else None
+    out["failed_calls"] = [c for c in calls if c["kind"] == "failed"]
+    out["verify_paths"] = [c["path"] for c in calls if c["kind"] == "verify"]
+    out["other_call_seconds"] = [c["seconds"] for c in calls if c["kind"] == "other"]  # tokenizer endpoints
+    verifying = [c for c in generating if c["kind"] == "verify"]
+    contexts = [c for c in verifying if c.get("context_tokens") and c["cached_tokens"] is not None]
+    if contexts:  # vLLM: of each verification's context (the conversation before the candidate)
+        out["verify_min_context_cached_share"] = round(
+            min(min(c["cached_tokens"], c["context_tokens"]) / c["context_tokens"] for c in contexts), 3
+        )
+        if block:  # what the server can read: every whole block of the context
+            out["verify_read_every_full_block"] = all(
+                c["cached_tokens"] >= c["context_tokens"] // block * block for c in contexts
+            )
     return out
+
+
+def shared_prefix(a: list[Any], b: list[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 # -- rows ----------------------------------------------------------------------------------------
@@ -281,7 +324,7 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
             logged = None
             if not isinstance(srv, VLLMServer):
                 logged, offsets[srv.base_url] = llama_log_requests(srv.log_path, offsets[srv.base_url])
-            per_member[member.name] = member_figures(made.get(srv.base_url, []), logged)
+            per_member[member.name] = member_figures(made.get(srv.base_url, []), logged, calls.block)
             per_member[member.name]["modes"] = [*member.modes, member.score_path, member.prompt_source]
         record = {
             "seconds": seconds,
@@ -347,6 +390,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for m in rec.get("members", {}).values()
                 if m.get("verify_min_cached_share") is not None
             ]
+            members = [m for rec in records for m in rec.get("members", {}).values()]
+            contexts = [m["verify_min_context_cached_share"] for m in members if "verify_min_context_cached_share" in m]
+            blocks = [m["verify_read_every_full_block"] for m in members if "verify_read_every_full_block" in m]
             same_text = None
             if r["row"].startswith("one:") and peer is not None and peer.get(workload):
                 same_text = [a["text"] == b["text"] for a, b in zip(records, peer[workload], strict=False)]
@@ -358,6 +404,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "vs_strongest_alone": (mine / theirs) if mine and theirs else None,
                 "first_turn_vs_alone": (first / peer_first) if peer_first else None,
                 "verify_min_cached_share": min(shares) if shares else None,
+                "verify_min_context_cached_share": min(contexts) if contexts else None,
+                "verify_read_every_full_block": all(blocks) if blocks else None,
                 "verify_cached_tokens_per_turn": [
                     sum((m.get("verify_cached_tokens") or 0) for m in rec.get("members", {}).values())
                     for rec in records
@@ -373,7 +421,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(summary: list[dict[str, Any]]) -> None:
     head = f"{'row':<20} {'path':<7} {'load':<6} {'s/token t>=2':>12} {'vs alone':>9} {'turn 1 vs':>9}"
-    print(f"{head} {'verify cached':>13}  turns (s)")
+    print(f"{head} {'verify cached':>13}  turns (s)   [verify cached: of the request (of its context)]")
     for e in summary:
         for w in ("rag", "agent"):
             if w not in e:
@@ -382,6 +430,8 @@ def table(summary: list[dict[str, Any]]) -> None:
             ratio = f"{d['vs_strongest_alone']:.2f}x" if d["vs_strongest_alone"] else "-"
             first = f"{d['first_turn_vs_alone']:.2f}x" if d["first_turn_vs_alone"] else "-"
             share = f"{d['verify_min_cached_share']:.0%}" if d["verify_min_cached_share"] is not None else "-"
+            if d.get("verify_min_context_cached_share") is not None:
+                share += f" ({d['verify_min_context_cached_share']:.0%})"
             spt = d["seconds_per_token_turns_2_plus"] or 0.0
             line = f"{e['row']:<20} {e['path']:<7} {w:<6} {spt:>12.3f} {ratio:>9} {first:>9}"
             same = "" if d["same_text_as_alone"] is None else f"  same text as alone: {d['same_text_as_alone']}"
@@ -419,7 +469,7 @@ def main() -> None:
         if args.smoke
         else ROOT / "benchmarks" / "results" / f"multiturn_servers_{args.server.replace('-', '_')}.json"
     )
-    calls = Calls()
+    calls = Calls(args.vllm_block_size if args.server == "vllm" else None)
     calls.install()
     rows: list[dict[str, Any]] = []
     for row in rows_wanted:

@@ -113,6 +113,34 @@ def test_without_scale_out_verification_takes_next_token_and_says_why(server: Ll
     assert any("--enable-scale-out" in note for note in caps.notes), caps.notes
 
 
+class UnwritableAnswers(Recorder):
+    """vLLM's 400 when a value it never wrote (a cached position's prompt log-prob) is NaN or +inf:
+    the request ran (and filled the cache), the answer is lost. On once ``failing`` is set."""
+
+    failing = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if self.failing and request.url.path.endswith("/inference/v1/generate"):
+            message = "Out of range float values are not JSON compliant"
+            error = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+            return httpx.Response(400, json=error, request=request)
+        return response
+
+
+def test_an_answer_vllm_cannot_write_is_scored_on_next_token(server: LlamaServer) -> None:
+    spec = f"openai:{server.base_url}#smollm2"
+    transport = UnwritableAnswers()
+    member = load_member(spec, name="unwritable", verify_mode="prompt_tail", transport=transport)
+    member.probe()
+    transport.failing = True
+    result = compare_paths(member, load_member(spec, name="echo", verify_mode="echo"))
+    assert result.same_winners
+    assert result.max_difference <= PATH_TOLERANCE, result.rows
+    assert member.stats.tail_fallbacks > 0
+    assert member.stats.echo_fallbacks == 0
+
+
 def test_server_rendered_prompt_is_the_local_template(
     templated: OpenAIHTTPMember, server_rendered: OpenAIHTTPMember
 ) -> None:

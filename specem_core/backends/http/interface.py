@@ -41,6 +41,9 @@ class MemberStats:
     """The same for drafts."""
     echo_fallbacks: int = 0
     """Candidates a cache-reading path handed to the echo path (see ``token_scoring``)."""
+    tail_fallbacks: int = 0
+    """Candidates the ``prompt_tail`` path handed to the ``next_token`` path (an answer vLLM could
+    not write; see ``token_scoring``)."""
 
 
 class ServerMember(Protocol):

@@ -79,6 +79,8 @@ async def probe_prompt_tail(member: ServerMember, caps: ServerCapabilities) -> S
     )
     if scorer is None:
         return replace(caps, notes=(*caps.notes, failed))
+    if scorer.counts.tail_fallbacks:  # scored, but not by the endpoint: it answered 400
+        return replace(caps, notes=(*caps.notes, "cached prompt log-probs: the endpoint refused the probe (400)"))
     return replace(caps, prompt_tail=True)
 
 

@@ -160,6 +160,7 @@ class OpenAIHTTPSession(MemberSession):
             "score_cached_tokens": counts.cached_tokens,
             "scored_from_draft": counts.from_draft,
             "echo_fallbacks": counts.echo_fallbacks,
+            "tail_fallbacks": counts.tail_fallbacks,
         }
 
     # -- protocol ---------------------------------------------------------------------------

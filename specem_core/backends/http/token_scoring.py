@@ -14,7 +14,9 @@ position in a batch of one rather than in a prefill.
   those are the values taken (a cached position's value is not computed: vLLM 0.32 sends whatever
   its buffer held, and would fail detokenizing it). Candidate tokens at or before that point (the
   cache held a block of them: a candidate scored before) come from the member's own draft or the
-  ``next_token`` path.
+  ``next_token`` path, and so does a whole candidate whose answer vLLM could not write (a 400 when
+  one of those unwritten values is NaN or +inf, which JSON cannot carry: a few requests in a
+  hundred on the benchmark's conversations).
 * ``next_token``: one ``/v1/completions`` request per candidate token whose log-prob is not
   known yet, its prompt the token ids before it and ``logprob_token_ids`` naming it (``max_tokens``
   1); all of a round's requests run at once and identical ones are sent once. A token of the
@@ -196,6 +198,8 @@ class ScoreCounts:
     echo_fallbacks: int = 0
     """Candidates scored through the echo path instead (an end of turn on ``forced``, special
     text, a prefix the server cannot be given as text)."""
+    tail_fallbacks: int = 0
+    """Candidates ``prompt_tail`` handed to ``next_token`` (vLLM could not write the answer)."""
     per_request: list[tuple[int, int | None]] = field(default_factory=list)
     """(prompt tokens, cached tokens) of each scoring request, in order."""
 
@@ -333,7 +337,18 @@ class TokenScorer:
         """The log-probs of ``ids[start:]`` on the ``prompt_tail`` or ``next_token`` path."""
         known = self._from_draft(ids, start)
         if self.path == "prompt_tail" and None in known:
-            tail = await self._send_tail(ids)
+            try:
+                tail = await self._send_tail(ids)
+            except HTTPMemberError as exc:
+                # 400 "Out of range float values are not JSON compliant": a cached position's
+                # unwritten value happened to be NaN or +inf, and vLLM failed writing the answer
+                # (the request still ran, so the next_token requests read even more from the cache)
+                if exc.status != 400:
+                    raise
+                self.counts.tail_fallbacks += 1
+                if self._stats is not None:
+                    self._stats.tail_fallbacks += 1
+                tail = {}
             for p, value in tail.items():
                 if p >= start and known[p - start] is None:
                     known[p - start] = value
