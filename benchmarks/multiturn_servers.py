@@ -124,6 +124,7 @@ class Calls:
 
     def install(self) -> None:
         from specem_core.backends.http.client import OpenAIClient
+        from specem_core.backends.http.token_scoring import common_prefix
 
         original = OpenAIClient.request_json
         calls = self
@@ -160,7 +161,7 @@ class Calls:
             ids = body.get("token_ids") or body.get("prompt")
             if kind == "verify" and isinstance(ids, list) and self.base_url in calls.draft_ids:
                 # the conversation it verifies after: the ids it shares with this round's draft
-                record["context_tokens"] = shared_prefix(ids, calls.draft_ids[self.base_url])
+                record["context_tokens"] = common_prefix(ids, calls.draft_ids[self.base_url])
             calls.by_server.setdefault(self.base_url, []).append(record)
             return answer
 
@@ -209,15 +210,6 @@ def member_figures(
                 c["cached_tokens"] >= c["context_tokens"] // block * block for c in contexts
             )
     return out
-
-
-def shared_prefix(a: list[Any], b: list[Any]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # -- rows ----------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ def stubborn(request: SessionRequest, committed: str) -> str:
 
 
 LOOPING_ENDS_ON_THE_LAST_RESULT = (
-    "#63, open: after add(84, 5) = 89 the member goes on with multiply(89, 5), add(445, 5), … "
-    "(new calls, which reapplies_last_call does not catch) until MAX_TOOL_ROUNDS, and the answer then "
-    "states the last result: 'The result is 11280.'"
+    "known limit (left when #63 was resolved): after add(84, 5) = 89 the member goes on with "
+    "multiply(89, 5), add(445, 5), … (new calls, which reapplies_last_call does not catch) until "
+    "MAX_TOOL_ROUNDS, and the answer then states the last result: 'The result is 11280.'"
 )
 """Why the agent-loop tests that grade :func:`looping`'s final answer fail (strict xfails)."""
 
