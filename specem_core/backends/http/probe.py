@@ -49,6 +49,8 @@ VerifyMode = Literal["auto", "logprobs", "echo", "prompt_tail", "next_token", "f
 """``auto``: the fastest exact path, else the judge; ``logprobs``: the fastest exact path;
 ``echo`` / ``prompt_tail`` / ``next_token`` / ``forced``: that exact path; ``judge``: a labelled-choice judge."""
 SCORE_PATHS: tuple[ScorePath, ...] = ("echo", "prompt_tail", "next_token", "forced")
+CACHE_PATHS: tuple[ScorePath, ...] = ("prompt_tail", "next_token", "forced")
+"""The paths that read the server's prefix cache (:mod:`specem_core.backends.http.token_scoring`)."""
 ServerKind = Literal["vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai", "generic"]
 MaxTokensZero = Literal["zero", "unlimited", "rejected", "unknown"]
 TokenizeAPI = Literal["vllm", "llama-cpp-python"]
@@ -99,7 +101,7 @@ class ServerCapabilities:
     @property
     def scoring_reads_cache(self) -> bool:
         """Whether verification on the fastest path reads the server's prefix cache."""
-        return self.score_path in ("prompt_tail", "next_token", "forced")
+        return self.score_path in CACHE_PATHS
 
 
 PROBE_QUESTION = "Count from 1 to 40, separated by commas."

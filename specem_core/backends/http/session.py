@@ -29,6 +29,7 @@ from specem_core.backends.http.errors import (
 )
 from specem_core.backends.http.interface import ServerMember
 from specem_core.backends.http.judge_scoring import judge_scores
+from specem_core.backends.http.probe import CACHE_PATHS
 from specem_core.backends.http.responses import chat_content, first_choice
 from specem_core.backends.http.token_scoring import (
     ScoreCounts,
@@ -66,7 +67,7 @@ class OpenAIHTTPSession(MemberSession):
         """How this session scores (``None``: the judge, or no verification)."""
         self._score_counts = ScoreCounts()
         self._scorer: TokenScorer | None = None
-        if self.score_path in ("prompt_tail", "next_token", "forced"):
+        if self.score_path in CACHE_PATHS:
             self._scorer = TokenScorer(member, self.score_path, member.add_special_tokens, self._score_counts)
         self._draft_prompt_tokens = 0
         self._draft_cached_tokens: int | None = None

@@ -15,8 +15,8 @@ position in a batch of one rather than in a prefill.
   its buffer held, and would fail detokenizing it). Candidate tokens at or before that point (the
   cache held a block of them: a candidate scored before) come from the member's own draft or the
   ``next_token`` path, and so does a whole candidate whose answer vLLM could not write (a 400 when
-  one of those unwritten values is NaN or +inf, which JSON cannot carry: a few requests in a
-  hundred on the benchmark's conversations).
+  one of those unwritten values is NaN or +inf, which JSON cannot carry: about one request in
+  twenty on the benchmark's conversations).
 * ``next_token``: one ``/v1/completions`` request per candidate token whose log-prob is not
   known yet, its prompt the token ids before it and ``logprob_token_ids`` naming it (``max_tokens``
   1); all of a round's requests run at once and identical ones are sent once. A token of the
@@ -45,7 +45,7 @@ from typing import Any
 
 from specem_core.backends.http.errors import AlignmentError, HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats, ServerMember
-from specem_core.backends.http.probe import ScorePath, root_url
+from specem_core.backends.http.probe import CACHE_PATHS, ScorePath, root_url
 from specem_core.backends.http.responses import first_choice, logprob_value
 
 SPECIAL_TEXT = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?s>")
@@ -234,8 +234,8 @@ class TokenScorer:
         *,
         count_in_member: bool = True,
     ) -> None:
-        if path not in ("prompt_tail", "next_token", "forced"):
-            raise ValueError(f"TokenScorer serves prompt_tail, next_token and forced, not {path!r}")
+        if path not in CACHE_PATHS:
+            raise ValueError(f"TokenScorer serves {', '.join(CACHE_PATHS)}, not {path!r}")
         self._m = member
         self.path = path
         self._add_special = add_special_tokens
