@@ -29,7 +29,6 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from llama_server import LlamaServer, start_server, start_vllm_server
 
 from specem_core import SpecEM, SpecEMConfig
-from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.http.member import OpenAIHTTPMember
+from specem_core.observers import MemberCall, MemberObserver
 from specem_core.registry import resolve_tokenizer
-from specem_core.types import Candidate, CandidateScore, Draft
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -70,70 +68,15 @@ class Timeline:
             self.calls.append(call)
 
 
-class TimedSession:
-    """Wraps a member session and records the wall time of every draft / score call."""
+class CallTimer(MemberObserver):
+    """Records the wall time of every draft / score call the engine makes (an engine observer)."""
 
-    def __init__(self, inner: Any, name: str, timeline: Timeline) -> None:
-        self.inner = inner
-        self.name = name
+    def __init__(self, timeline: Timeline) -> None:
         self.timeline = timeline
-        self.round = 0
 
-    @property
-    def prompt_tokens(self) -> int:
-        return int(self.inner.prompt_tokens)
-
-    @property
-    def completion_tokens(self) -> int:
-        return int(self.inner.completion_tokens)
-
-    def draft(
-        self,
-        max_tokens: int,
-        sampling: SamplingParams,
-        *,
-        hints: Sequence[Candidate] = (),
-        score_eos: bool = False,
-    ) -> Draft:
-        self.round += 1
-        t0 = time.perf_counter()
-        try:
-            return self.inner.draft(max_tokens, sampling)  # type: ignore[no-any-return]
-        finally:
-            self.timeline.add(Call(self.name, "draft", self.round, t0, time.perf_counter()))
-
-    def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
-        t0 = time.perf_counter()
-        try:
-            return self.inner.score(candidates, score_eos=score_eos)  # type: ignore[no-any-return]
-        finally:
-            self.timeline.add(Call(self.name, "score", self.round, t0, time.perf_counter()))
-
-    def commit(self, text: str, *, final: bool = False) -> None:
-        self.inner.commit(text, final=final)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class TimedMember:
-    def __init__(self, inner: OpenAIHTTPMember, timeline: Timeline) -> None:
-        self.inner = inner
-        self.timeline = timeline
-        self.name = inner.name
-        self.can_draft = inner.can_draft
-        self.can_verify = inner.can_verify
-
-    @property
-    def context_window(self) -> int | None:
-        return self.inner.context_window
-
-    @property
-    def concurrency_key(self) -> str:
-        return self.inner.concurrency_key
-
-    def open(self, request: SessionRequest) -> TimedSession:
-        return TimedSession(self.inner.open(request), self.name, self.timeline)
+    def call_finished(self, call: MemberCall) -> None:
+        if call.stage in ("draft", "score"):
+            self.timeline.add(Call(call.member, call.stage, call.round, call.started, call.ended))
 
 
 def summarize(timeline: Timeline, result: Any) -> list[dict[str, Any]]:
@@ -201,7 +144,7 @@ def main() -> None:
                 f"member {n}: {http.name}  probe {time.perf_counter() - t0:.1f}s  "
                 f"modes={http.modes} echo_shift={caps.echo_shift} max_tokens=0 -> {caps.max_tokens_zero}"
             )
-            members.append(TimedMember(http, timeline))
+            members.append(http)
         engine = SpecEM(
             members,
             SpecEMConfig(
@@ -211,6 +154,7 @@ def main() -> None:
                 temperature=args.temperature,
                 seed=0,
             ),
+            observers=[CallTimer(timeline)],
         )
         assert engine.members[0].concurrency_key != engine.members[1].concurrency_key
         result = engine.generate(PROMPT)

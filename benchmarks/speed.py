@@ -103,33 +103,9 @@ def block_costs(member: Any, messages: list[dict[str, str]], block: int, repeats
     return {"block": block, "step_ms": step, "block_ms": with_rows, "block_no_rows_ms": without}
 
 
-class _TimedSession:
-    """A member session that adds the wall time of each protocol call to its member's totals."""
-
-    def __init__(self, session: Any, times: CallTimes, name: str) -> None:
-        self._session, self._times, self._name = session, times, name
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._session, name)
-        if name not in CallTimes.CALLS:
-            return attr
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._times.enter()
-            start = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self._times.seconds[self._name][name] += time.perf_counter() - start
-                self._times.calls[self._name][name] += 1
-                self._times.leave()
-
-        return timed
-
-
 class CallTimes:
-    """Time spent in each member's ``draft`` / ``score`` / ``commit`` calls while it is armed
-    (the sessions are wrapped where the engine opens them; nothing else changes)."""
+    """Time spent in each member's ``draft`` / ``score`` / ``commit`` calls, told by the engine
+    (:class:`specem_core.observers.MemberObserver`: nothing wraps the members)."""
 
     CALLS = ("draft", "score", "commit")
 
@@ -139,33 +115,38 @@ class CallTimes:
         self.members = members
         self._lock = threading.Lock()
         self.reset()
-        for m in members:
-            opener = m.open
-
-            def open_timed(request: Any, _open: Any = opener, _name: str = m.name) -> Any:
-                return _TimedSession(_open(request), self, _name)
-
-            m.open = open_timed
 
     def reset(self) -> None:
-        self.seconds = {m.name: dict.fromkeys(self.CALLS, 0.0) for m in self.members}
-        self.calls = {m.name: dict.fromkeys(self.CALLS, 0) for m in self.members}
-        self._active = 0
-        self.overlapped = False
+        with self._lock:
+            self.seconds = {m.name: dict.fromkeys(self.CALLS, 0.0) for m in self.members}
+            self.calls = {m.name: dict.fromkeys(self.CALLS, 0) for m in self.members}
+            self._spans: list[tuple[float, float]] = []
+
+    @property
+    def overlapped(self) -> bool:
         """Whether two calls ever ran at once (members side by side): their seconds then overlap."""
-
-    def enter(self) -> None:
         with self._lock:
-            self.overlapped = self.overlapped or self._active > 0
-            self._active += 1
+            spans = sorted(self._spans)
+        latest_end = float("-inf")
+        for start, end in spans:
+            if start < latest_end:
+                return True
+            latest_end = max(latest_end, end)
+        return False
 
-    def leave(self) -> None:
+    def session_opened(self, member: str) -> None:
+        return None
+
+    def session_closed(self, member: str) -> None:
+        return None
+
+    def call_finished(self, call: Any) -> None:
+        if call.stage not in self.CALLS:
+            return
         with self._lock:
-            self._active -= 1
-
-    def disarm(self) -> None:
-        for m in self.members:
-            del m.open  # the class's method again
+            self.seconds[call.member][call.stage] += call.seconds
+            self.calls[call.member][call.stage] += 1
+            self._spans.append((call.started, call.ended))
 
 
 def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -176,7 +157,7 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
 
     members = preset_members(args.preset, backend=backend)
     timings = CallTimes(members)
-    engine = SpecEM(members, SpecEMConfig(segment_len=args.segment_len, ignore_eos=True))
+    engine = SpecEM(members, SpecEMConfig(segment_len=args.segment_len, ignore_eos=True), observers=[timings])
     # warm-up (allocator, kernels)
     engine.generate(messages, max_new_tokens=12)
     for m in members:
@@ -234,7 +215,6 @@ def measure(backend: str, args: argparse.Namespace, messages: list[dict[str, str
             }
         )
 
-    timings.disarm()
     blocks = {m.name: block_costs(m, messages, args.segment_len) for m in members}
     naive: dict[str, Any] | None = None
     if args.naive_tokens:

@@ -115,9 +115,19 @@ class RuntimeModelFields(griffe.Extension):
     """Field descriptions and defaults of the pydantic models named in ``models``, read from the
     imported classes (see the module docstring)."""
 
-    def __init__(self, models: list[str]) -> None:
+    def __init__(self, models: list[str], shared: list[str] | None = None) -> None:
         super().__init__()
         self.models = list(models)
+        self.shared = list(shared or [])
+        """Models whose fields the classes in ``models`` inherit (``EnsembleFields``): each such
+        field becomes an attribute of the class that inherits it, so its page lists it."""
+
+    def _shared_fields(self) -> set[str]:
+        names: set[str] = set()
+        for path in self.shared:
+            module_path, name = path.rsplit(".", 1)
+            names |= set(getattr(importlib.import_module(module_path), name).model_fields)
+        return names
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         for path in self.models:
@@ -129,8 +139,14 @@ class RuntimeModelFields(griffe.Extension):
         model = getattr(importlib.import_module(module_path), name)
         found = pkg[path[len(pkg.path) + 1 :]]
         if isinstance(found, griffe.Class):
+            shared = self._shared_fields()
             for field_name, field in model.model_fields.items():
                 attribute = found.members.get(field_name)
+                if attribute is None and field_name in shared:  # declared once, for every surface
+                    attribute = griffe.Attribute(
+                        field_name, annotation=annotation_text(field.annotation), lineno=found.lineno, parent=found
+                    )
+                    found.set_member(field_name, attribute)
                 if not isinstance(attribute, griffe.Attribute):
                     continue  # inherited, or not declared in this class
                 if attribute.docstring is None and field.description:

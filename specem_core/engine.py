@@ -10,22 +10,48 @@ the loop's events to the caller, through a worker thread for the async views
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from specem_core.backends.base import Member, SettlingMember
 from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError
 from specem_core.loop import CandidateFilter, Run
-from specem_core.presets import DEFAULT_PRESET, Preset, assemble
+from specem_core.observers import MemberObserver, Observers
+from specem_core.presets import DEFAULT_PRESET, EnsemblePlan, Preset
+from specem_core.presets import plan as plan_ensemble
 from specem_core.threads import Workers
 from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, tool_rounds
 from specem_core.types import GenerationResult, StreamEvent, check_unicode, validate_messages
 from specem_core.weights import MemberWeights
 
-__all__ = ["CandidateFilter", "SpecEM", "default_engine"]
+__all__ = ["CandidateFilter", "Request", "SpecEM", "default_engine"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as :meth:`SpecEM.generate`, :meth:`~SpecEM.stream`, :meth:`~SpecEM.agenerate`
+    and :meth:`~SpecEM.astream` take it: the arguments travel together, by name, from the public
+    methods to the run (the same fields, the same meanings, as those methods document)."""
+
+    messages: Sequence[Mapping[str, Any]] | str
+    """The conversation (or one user message as a string)."""
+    tools: Sequence[Mapping[str, Any]] | None = None
+    """OpenAI-style tool schemas."""
+    tool_choice: Any = None
+    """``"auto"`` (default), ``"none"``, ``"any"``/``"required"`` or a tool name."""
+    response_format: Mapping[str, Any] | None = None
+    """``{"type": "json_object"}`` or a JSON schema: the answer is one JSON object."""
+    parallel_tool_calls: bool = False
+    """Several calls in one answer."""
+    constraint: CandidateFilter | None = None
+    """An optional filter on candidates."""
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    """:class:`SpecEMConfig` fields for this request only."""
 
 
 class SpecEM:
@@ -45,10 +71,10 @@ class SpecEM:
     The engine is safe to share between threads: members hold only read-only weights and every
     request gets its own sessions.
 
-    Verifier weights learned across requests are opt-in: pass ``weights=MemberWeights(...)``, or
+    Member weights (verifier weights learned across requests) are opt-in: pass ``weights=MemberWeights(...)``, or
     the path of a JSON state file (loaded when it exists, created otherwise, saved after every
     request), and every request starts from what earlier requests taught it, then adds its own
-    Hedge rewards (:mod:`specem_core.weights`). ``faithful=True`` requests
+    Hedge rewards (:mod:`specem_core.weights`). ``reproduce_paper=True`` requests
     keep the paper's per-request rule and neither read nor update it.
     """
 
@@ -58,6 +84,7 @@ class SpecEM:
         config: SpecEMConfig | None = None,
         *,
         weights: MemberWeights | str | os.PathLike[str] | None = None,
+        observers: Iterable[MemberObserver] = (),
         **config_overrides: Any,
     ) -> None:
         members = list(members)
@@ -73,6 +100,8 @@ class SpecEM:
             raise ConfigError("several drafters but no verifier: set can_verify=True on a member")
         self._workers = Workers()
         """The threads running :meth:`astream` requests (for :meth:`wait_idle`)."""
+        self._observers = Observers(observers)
+        """Told of every member session and call (:meth:`add_observer`)."""
         self._members = members
         self._config = (config or SpecEMConfig()).replace(**config_overrides)
         if weights is not None and not isinstance(weights, MemberWeights):
@@ -103,7 +132,7 @@ class SpecEM:
                 state-file path, or ``False`` for none) and ``min_share``; ``config`` (a whole
                 :class:`SpecEMConfig` instead of the preset's settings); ``backend``, ``device``,
                 ``member_kwargs`` and ``api_key`` for loading members by name. The assembly is
-                :func:`specem_core.presets.assemble`, which every surface goes through.
+                :func:`specem_core.presets.plan`, which every surface goes through.
 
         Example:
             >>> engine = SpecEM.from_preset("quality", max_new_tokens=128)  # doctest: +SKIP
@@ -112,8 +141,26 @@ class SpecEM:
         Raises:
             ConfigError: an unknown preset (the message lists them) or an unknown/invalid field.
         """
-        parts = assemble(name, **overrides)
+        return cls.from_plan(plan_ensemble(name, **overrides))
+
+    @classmethod
+    def from_plan(cls, ensemble: EnsemblePlan) -> SpecEM:
+        """The engine of an :class:`~specem_core.presets.EnsemblePlan` (:func:`specem_core.presets.plan`,
+        checked and not yet loaded): its members loaded, its configuration and member weights."""
+        parts = ensemble.load()
         return cls(parts.members, parts.config, weights=parts.weights)
+
+    def add_observer(self, observer: MemberObserver) -> Callable[[], None]:
+        """Tell ``observer`` about every member session opened and closed and every member call
+        of the requests that start from now on (:mod:`specem_core.observers`); returns a function
+        that removes it. An observer that raises is logged and skipped, never failing a request."""
+        return self._observers.add(observer)
+
+    @property
+    def active_workers(self) -> int:
+        """Worker threads of async requests (:meth:`astream`, :meth:`agenerate`) running now; a
+        cancelled request's ends after its current round."""
+        return self._workers.running()
 
     @property
     def weights(self) -> MemberWeights | None:
@@ -160,7 +207,7 @@ class SpecEM:
                 "json_schema": {"schema": {...}}}``: the answer is one JSON object.
             parallel_tool_calls: allow several calls in one answer (default: the answer ends
                 after the first call).
-            constraint: optional filter on candidates (see :data:`CandidateFilter`).
+            constraint: optional filter on candidates (see :class:`CandidateFilter`).
             **overrides: any :class:`SpecEMConfig` field for this request only.
         """
         result: GenerationResult | None = None
@@ -189,79 +236,57 @@ class SpecEM:
         **overrides: Any,
     ) -> Iterator[StreamEvent]:
         """Yield one :class:`StreamEvent` per committed segment as soon as it is committed."""
-        _run, events = self._events(
-            messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
-        )
+        request = Request(messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides)
+        _run, events = self._events(request)
         return events
 
-    def _events(
-        self,
-        messages: Sequence[Mapping[str, Any]] | str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        tool_choice: Any,
-        response_format: Mapping[str, Any] | None,
-        parallel_tool_calls: bool,
-        constraint: CandidateFilter | None,
-        overrides: dict[str, Any],
-    ) -> tuple[Run, Iterator[StreamEvent]]:
+    def _events(self, request: Request) -> tuple[Run, Iterator[StreamEvent]]:
         """A request's run and its events; with tools or JSON output, the events of the output
         plan, which may replace an answer an agent loop cannot use by another run."""
-        run, plan = self._prepare(
-            messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
-        )
+        run, plan = self._prepare(request)
         if plan is None:
             return run, run.events()
 
         def answer_instead() -> Iterator[StreamEvent]:  # the answer was a repeat, a loop or junk
-            return self._instead(messages, tools, constraint, overrides, "none")
+            return self._instead(request, "none")
 
         def call_instead() -> Iterator[StreamEvent]:  # the answer was a call the parser cannot read
-            return self._instead(messages, tools, constraint, overrides, "required")
+            return self._instead(request, "required")
 
         return run, plan.wrap(run.events(), run.messages, answer_instead, call_instead)
 
-    def _instead(
-        self,
-        messages: Sequence[Mapping[str, Any]] | str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        constraint: CandidateFilter | None,
-        overrides: dict[str, Any],
-        tool_choice: str,
-    ) -> Iterator[StreamEvent]:
+    def _instead(self, request: Request, tool_choice: str) -> Iterator[StreamEvent]:
         """The run that replaces an answer an agent loop cannot use: ``"none"``, words without
         tools (from the tool results when there are some; never a call:
         :class:`~specem_core.tools.AnswerConstraint`), or ``"required"``, a call written under
         :class:`~specem_core.tools.ToolCallConstraint`, so that it parses."""
-        answering = tool_choice == "none"
-        run, plan = self._prepare(messages, tools, tool_choice, None, False, constraint, overrides, answering=answering)
+        instead = dataclasses.replace(request, tool_choice=tool_choice, response_format=None, parallel_tool_calls=False)
+        run, plan = self._prepare(instead, answering=tool_choice == "none")
         assert plan is not None
         return plan.wrap(run.events(), run.messages)
 
-    def _prepare(
-        self,
-        messages: Sequence[Mapping[str, Any]] | str,
-        tools: Sequence[Mapping[str, Any]] | None,
-        tool_choice: Any,
-        response_format: Mapping[str, Any] | None,
-        parallel_tool_calls: bool,
-        constraint: CandidateFilter | None,
-        overrides: dict[str, Any],
-        *,
-        answering: bool = False,
-    ) -> tuple[Run, OutputPlan | None]:
+    def _prepare(self, request: Request, *, answering: bool = False) -> tuple[Run, OutputPlan | None]:
         """Validate a request and set up its run (tools and JSON output via :class:`OutputPlan`)."""
-        config = self._config.replace(**overrides)
-        msgs = validate_messages(messages)
+        config = self._config.replace(**request.overrides)
+        msgs = validate_messages(request.messages)
+        tools = request.tools
         check_unicode(tools, "tools")  # rendered into every member's prompt
-        check_unicode(response_format, "response_format")
+        check_unicode(request.response_format, "response_format")
         plan = OutputPlan.build(
-            tools, tool_choice, response_format, parallel_tool_calls=parallel_tool_calls, answering=answering
+            tools,
+            request.tool_choice,
+            request.response_format,
+            parallel_tool_calls=request.parallel_tool_calls,
+            answering=answering,
         )
         if plan is not None and plan.choice.mode == "auto" and plan.tools and tool_rounds(msgs) >= MAX_TOOL_ROUNDS:
             plan = OutputPlan.build(tools, "none", answering=True)  # the agent loop ran long enough: answer
         learned = None if config.reproduce_paper else self._weights
         if plan is None:
-            return Run(self._members, config, msgs, tools, constraint, learned=learned), None
+            run = Run(
+                self._members, config, msgs, tools, request.constraint, learned=learned, observers=self._observers
+            )
+            return run, None
         if plan.stop:
             config = config.replace(stop=(*config.stop, *plan.stop))
         run = Run(
@@ -269,10 +294,11 @@ class SpecEM:
             config,
             plan.prepare_messages(msgs),
             plan.tools or None,
-            plan.combine(constraint),
+            plan.combine(request.constraint),
             prefill=plan.prefill,
             prefill_choices=plan.choices,
             learned=learned,
+            observers=self._observers,
         )
         return run, plan
 
@@ -327,9 +353,8 @@ class SpecEM:
         **overrides: Any,
     ) -> AsyncIterator[StreamEvent]:
         """Async :meth:`stream`: the loop runs in a worker thread; cancelling stops it after the round."""
-        run, events = self._events(
-            messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides
-        )
+        request = Request(messages, tools, tool_choice, response_format, parallel_tool_calls, constraint, overrides)
+        run, events = self._events(request)
         # closed here, not when the garbage collector finalizes it: a consumer that stops early
         # must cancel the run now, not some rounds later
         async with contextlib.aclosing(self._workers.iterate(events, run.cancelled)) as stream:

@@ -6,10 +6,13 @@ Each round:
    ``segment_len`` tokens (:meth:`Run.draft`);
 2. **verify** — every verifying member scores every candidate: the mean logit (or log-prob) of
    the candidate's tokens after its own prompt (:meth:`Run.verify`);
-3. **normalize** — each verifier's scores over the candidates become a row that sums to 1;
-4. **Hedge** — the verifier weights move towards the members whose rows agreed with the others';
+3. **normalize** — each verifier's scores over the candidates become a row that sums to 1 (also
+   in :meth:`Run.verify`, through :func:`specem_core.vote.score_rows`);
+4. **Hedge** — the verifier weights (this request's, one per verifier) move towards the members
+   whose rows agreed with the others';
 5. **vote** — the weighted sum of the rows picks the winner (ties: the first member)
-   (3–5: :meth:`Run.vote`, the arithmetic in :mod:`specem_core.vote` and :mod:`specem_core.scoring`);
+   (4–5: :meth:`Run.vote`, through :func:`specem_core.vote.tally`; the arithmetic of 3–5 is
+   :mod:`specem_core.scoring`'s);
 6. **broadcast** — the winner is appended to the answer (:meth:`Run.extend_answer`) and every
    member continues from it (:meth:`Run.broadcast`);
 7. **stop** — the winner ended its turn, a stop string appeared (:meth:`Run.extend_answer`), or
@@ -17,15 +20,17 @@ Each round:
 
 Our additions sit beside the steps, each a named option: Model Exit (members that keep losing
 stop drafting), the trusted member's rules (:mod:`specem_core.trusted`), constraints that keep a
-tool call or a JSON answer parseable (:mod:`specem_core.tools`). Calls to members are retried and
-failing members excluded by :class:`~specem_core.member_calls.MemberCalls`.
+tool call or a JSON answer parseable (:mod:`specem_core.tools`), member weights learned across
+requests (:class:`~specem_core.weights.MemberWeights`: they start a request's verifier weights).
+Calls to members are retried and failing members excluded by
+:class:`~specem_core.member_calls.MemberCalls`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +47,11 @@ from specem_core.candidates import constrain, to_line_end
 from specem_core.config import SpecEMConfig
 from specem_core.errors import MemberError
 from specem_core.member_calls import MemberCalls
+from specem_core.observers import MemberObserver
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
-from specem_core.tools import opens_call
+from specem_core.tools import CandidateFilter as CandidateFilter  # re-exported: the engine's import path
+from specem_core.tools import Constraint, as_constraint, opens_call
 from specem_core.trusted import TrustedMember, gated, trusted_drafter, unanimous_call_opening
 from specem_core.types import (
     Candidate,
@@ -60,13 +67,6 @@ from specem_core.types import (
 )
 from specem_core.vote import Vote, distinct, row_values, score_rows, tally
 from specem_core.weights import MemberWeights
-
-CandidateFilter = Callable[[str, str], bool]
-"""``constraint(committed_text, candidate_text) -> keep?`` — e.g. keep a started tool call
-parseable. When it rejects every candidate of a round, all of them stay in the vote. Optional
-methods the engine uses when present: ``trim(committed, candidate)`` (the longest acceptable
-prefix), ``options(committed)`` (listable continuations, voted on when no candidate fits) and
-``complete(text)`` (the answer is a whole document: it ends there with ``stop``)."""
 
 
 @dataclass
@@ -91,11 +91,14 @@ class Run:
         config: the request's configuration.
         messages: the validated conversation (with any instruction a tool or JSON plan adds).
         tools: tool schemas rendered into every member's prompt.
-        constraint: a filter on candidates (:data:`CandidateFilter`).
+        constraint: a filter on candidates (a
+            :class:`~specem_core.tools.constraints.CandidateFilter`; kept as a
+            :class:`~specem_core.tools.constraints.Constraint`, wrapped when it is not one).
         prefill: a forced start of the answer (a tool call, a JSON object).
         prefill_choices: continuations of ``prefill`` the verifiers vote on (which tool a forced
             call names).
         learned: member weights learned across requests (``None``: the paper's per-request rule).
+        observers: the engine's observers of member calls (:mod:`specem_core.observers`).
     """
 
     def __init__(
@@ -108,23 +111,24 @@ class Run:
         prefill: str = "",
         prefill_choices: Sequence[str] = (),
         learned: MemberWeights | None = None,
+        observers: Iterable[MemberObserver] = (),
     ) -> None:
         self.members = list(members)
         self.config = config
         self.messages = messages
         self.tools = list(tools) if tools else None
-        self.constraint = constraint
+        self.constraint: Constraint | None = None if constraint is None else as_constraint(constraint)
         self.prefill = prefill
         self.prefill_choices = list(prefill_choices)
         self.learned = learned
         self.cancelled = threading.Event()
         """Set to stop the loop after the current round (an async consumer went away)."""
-        self.calls = MemberCalls(self.members, config.member_retries, config.parallel)
+        self.calls = MemberCalls(self.members, config.member_retries, config.parallel, observers)
         self.usage = [MemberUsage(member=m.name) for m in self.members]
         self.exited: set[int] = set()
         """Drafters Model Exit stopped (they keep verifying)."""
         self.trust = TrustedMember(None, config, tools=bool(self.tools))
-        """The trusted member, chosen once the weights are known (:meth:`events`)."""
+        """The trusted member, chosen once the verifier weights are known (:meth:`events`)."""
         self.text = ""
         """The committed answer."""
         self.segments: list[Segment] = []
@@ -331,7 +335,7 @@ class Run:
         raw, normalized = score_rows([scored[i] for i in verifiers], copies, index, cfg)
         return verifiers, raw, normalized
 
-    # -- steps 3-5: normalize, Hedge, vote ----------------------------------------------------
+    # -- steps 4-5: Hedge, vote (step 3 is in verify) ------------------------------------------
     def vote(
         self,
         k: int,
@@ -346,7 +350,7 @@ class Run:
         return tally(normalized, verifiers, owners, candidates, weights, self.config, k, learned=learned)
 
     def vote_choice(self, choices: list[str]) -> str:
-        """The continuation the verifiers score best (uniform weights; ties → the first one): a
+        """The continuation the verifiers score best (uniform verifier weights; ties → the first one): a
         constraint's listed options when no candidate fits, or which tool a forced call names."""
         verifiers = [i for i in self.calls.active() if self.members[i].can_verify]
         if len(choices) == 1 or not verifiers:
@@ -384,16 +388,15 @@ class Run:
             self.text = self.text[:stop_at]
             segment.text = self.text[old_len:]
             return True
-        complete = getattr(self.constraint, "complete", None)  # an optional method of a CandidateFilter
-        return bool(complete is not None and complete(self.text))
+        return self.constraint is not None and self.constraint.complete(self.text)
 
     # -- the request's start and end ----------------------------------------------------------
     def open_sessions(self) -> None:
         """Open every member's session before any model work: opening only renders, encodes and
         checks the context window (local members prefill on first use), so a prompt that does not
         fit one member raises :class:`ContextWindowError` before any member has spent time on it.
-        Members the learned weights gate (``min_share``) sit the request out, reported at stage
-        ``gate``."""
+        Members the learned member weights gate (``min_share``) sit the request out, reported at
+        stage ``gate``."""
         base_seed = self.config.seed
 
         def open_one(i: int) -> MemberSession:
@@ -412,7 +415,8 @@ class Run:
             self.usage[i].prompt_tokens = s.prompt_tokens
 
     def initial_weights(self) -> dict[int, float]:
-        """The verifier weights at the start: the learned ones, or uniform (the paper)."""
+        """The verifier weights at the start: from the member weights learned across requests,
+        or uniform (the paper)."""
         verifiers = [i for i in self.calls.active() if self.members[i].can_verify]
         if not verifiers:
             return {}

@@ -3,16 +3,21 @@ exclusion reported) when it keeps failing, the request failed only when no draft
 
 A failing member never loses the user's answer silently: :class:`MemberCalls` keeps every
 exclusion, which the result reports (``GenerationResult.excluded``).
+
+The engine's observers (:mod:`specem_core.observers`) hear of every session opened and closed
+here and of every call made; without observers no call is wrapped.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from specem_core.backends.base import Member, MemberSession
 from specem_core.errors import AllMembersFailedError, InputError
+from specem_core.observers import MemberCall, MemberObserver, notify
 from specem_core.pool import MemberPool
 from specem_core.types import Exclusion
 
@@ -27,11 +32,20 @@ class MemberCalls:
         retries: retries of a failing call before its member is excluded
             (``SpecEMConfig.member_retries``).
         parallel: ``SpecEMConfig.parallel`` (members on different devices or servers run at once).
+        observers: the engine's observers (:class:`~specem_core.observers.MemberObserver`; a
+            snapshot is taken: one registered during the request hears of the next one).
     """
 
-    def __init__(self, members: Sequence[Member], retries: int, parallel: bool | None) -> None:
+    def __init__(
+        self,
+        members: Sequence[Member],
+        retries: int,
+        parallel: bool | None,
+        observers: Iterable[MemberObserver] = (),
+    ) -> None:
         self.members = list(members)
         self.retries = retries
+        self.observers = tuple(observers)
         self.pool = MemberPool(self.members, parallel)
         self.sessions: dict[int, MemberSession] = {}
         """The open sessions by member index; an excluded member's is closed and removed."""
@@ -48,17 +62,21 @@ class MemberCalls:
         results: dict[int, T] = {}
         pending = list(indices)
         errors: dict[int, BaseException] = {}
-        for _attempt in range(self.retries + 1):
+        for attempt in range(self.retries + 1):
             if not pending:
                 break
-            outcomes = self.pool.map(fn, pending, self.members)
+            call = self.observed(fn, stage, round_index, attempt) if self.observers else fn
+            outcomes = self.pool.map(call, pending, self.members)
+            if stage == "open" and self.observers:
+                for i, out in zip(pending, outcomes, strict=True):
+                    if not isinstance(out, BaseException):
+                        self.opened(i)
             bad_input = next((out for out in outcomes if isinstance(out, InputError)), None)
             if bad_input is not None:
                 if stage == "open":  # nobody will use the sessions the other members opened
-                    for out in [*results.values(), *outcomes]:
+                    for i, out in [*results.items(), *zip(pending, outcomes, strict=True)]:
                         if isinstance(out, MemberSession):
-                            with contextlib.suppress(Exception):
-                                out.close()
+                            self.close_session(i, out)
                 raise bad_input
             retry: list[int] = []
             for i, out in zip(pending, outcomes, strict=True):
@@ -77,8 +95,7 @@ class MemberCalls:
         self.excluded.append(Exclusion(self.members[i].name, stage, reason, round_index))
         session = self.sessions.pop(i, None)
         if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+            self.close_session(i, session)
 
     def active(self) -> list[int]:
         """The members still in the request, in member order."""
@@ -95,6 +112,40 @@ class MemberCalls:
     def close(self) -> None:
         """Close every session and the worker threads."""
         for i in list(self.sessions):
-            with contextlib.suppress(Exception):
-                self.sessions.pop(i).close()
+            self.close_session(i, self.sessions.pop(i))
         self.pool.close()
+
+    def close_session(self, i: int, session: MemberSession) -> None:
+        """Close member ``i``'s ``session`` (its errors are ignored) and tell the observers."""
+        try:
+            with contextlib.suppress(Exception):
+                session.close()
+        finally:
+            if self.observers:
+                name = self.members[i].name
+                notify(self.observers, lambda o: o.session_closed(name))
+
+    # -- observers -------------------------------------------------------------------------------
+    def opened(self, i: int) -> None:
+        """Member ``i``'s session is open: tell the observers."""
+        name = self.members[i].name
+        notify(self.observers, lambda o: o.session_opened(name))
+
+    def observed(self, fn: Callable[[int], T], stage: str, round_index: int, attempt: int) -> Callable[[int], T]:
+        """``fn``, timed: each call is reported to the observers from the thread that made it."""
+
+        def timed(i: int) -> T:
+            error: BaseException | None = None
+            started = time.perf_counter()
+            try:
+                return fn(i)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                call = MemberCall(
+                    self.members[i].name, stage, round_index, attempt, started, time.perf_counter() - started, error
+                )
+                notify(self.observers, lambda o: o.call_finished(call))
+
+        return timed

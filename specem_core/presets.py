@@ -277,7 +277,47 @@ class EngineParts:
     """The preset they come from (``None``: members of your own under the library defaults)."""
 
 
-def assemble(
+@dataclass(frozen=True)
+class EnsemblePlan:
+    r"""An engine decided but not loaded (:func:`plan`): every argument checked, no model read.
+
+    A surface plans first (so that a bad option fails before any model loads, or before a server
+    binds its port), reports what it decided (the preset, the configuration), then
+    :meth:`load`\ s it."""
+
+    preset: Preset | None
+    """The preset (``None``: members of your own under the library defaults)."""
+    config: SpecEMConfig
+    """The preset's configuration with the explicit arguments over it (validated)."""
+    weights: MemberWeights | None
+    """The member weights the engine starts with (``None``: the paper's per-request rule)."""
+    members: tuple[Any, ...]
+    """Member specs or :class:`Member` objects, in tie-break order (the preset's by default)."""
+    verifiers: tuple[Any, ...] = ()
+    """Verify-only members (specs are loaded with ``can_draft=False``), after the others."""
+    backend: str | None = None
+    """How members given by name load (:func:`specem_core.registry.load_member`)."""
+    device: str | None = None
+    """The device of local members given by name."""
+    member_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Other :func:`~specem_core.registry.load_member` arguments."""
+    api_key: Any = field(default=None, repr=False)
+    """The server members' API key (never shown in ``repr``)."""
+
+    def load(self) -> EngineParts:
+        """Load the members (:func:`load_members`): the parts :class:`~specem_core.engine.SpecEM` takes."""
+        loaded = load_members(
+            self.members,
+            verifiers=self.verifiers,
+            backend=self.backend,
+            device=self.device,
+            member_kwargs=self.member_kwargs,
+            api_key=self.api_key,
+        )
+        return EngineParts(loaded, self.config, self.weights, self.preset)
+
+
+def plan(
     name: str | Preset | None = None,
     *,
     members: Sequence[Member | str | os.PathLike[str]] | None = None,
@@ -290,11 +330,11 @@ def assemble(
     member_kwargs: Mapping[str, Any] | None = None,
     api_key: Any = None,
     **fields: Any,
-) -> EngineParts:
-    """The parts of an engine from a preset, with explicit arguments overriding it: the one
-    assembly behind :meth:`SpecEM.from_preset <specem_core.engine.SpecEM.from_preset>`, which the
-    CLI, the LangChain and LlamaIndex classes and the server's engine all go through. Everything
-    is validated before any model loads.
+) -> EnsemblePlan:
+    """The one assembly of an engine from a preset, with explicit arguments overriding it, checked
+    and decided but not loaded (:meth:`EnsemblePlan.load` loads it). Every surface goes through
+    it: :meth:`SpecEM.from_preset <specem_core.engine.SpecEM.from_preset>` (the LangChain and
+    LlamaIndex classes), the CLI's ``chat``, ``serve`` and ``calibrate``.
 
     Args:
         name: the preset; ``None``: the default preset, or none at all when ``members`` is given
@@ -321,10 +361,27 @@ def assemble(
     spec = config.replace(**fields) if config is not None else config_of(preset, **fields)
     chosen = member_weights(preset, members_given=members is not None, weights=weights, min_share=min_share)
     specs: Sequence[Any] = preset.members if members is None and preset is not None else members or ()
-    loaded = load_members(
-        specs, verifiers=verifiers, backend=backend, device=device, member_kwargs=member_kwargs, api_key=api_key
+    return EnsemblePlan(
+        preset,
+        spec,
+        chosen,
+        tuple(specs),
+        tuple(verifiers),
+        backend,
+        device,
+        dict(member_kwargs or {}),
+        api_key,
     )
-    return EngineParts(loaded, spec, chosen, preset)
+
+
+def assemble(name: str | Preset | None = None, **arguments: Any) -> EngineParts:
+    """:func:`plan`, then :meth:`~EnsemblePlan.load`: the parts of an engine, loaded (arguments
+    as for :func:`plan`).
+
+    Raises:
+        ConfigError: as :func:`plan`.
+    """
+    return plan(name, **arguments).load()
 
 
 def member_weights(

@@ -1,4 +1,7 @@
-"""The arithmetic of one round: normalization, Hedge, the vote and Model Exit.
+"""The arithmetic of a round, as pure functions: normalization, Hedge, the vote and Model Exit.
+
+Not to be confused with :mod:`specem_core.vote`, which runs these functions on one round's score
+rows, nor with the ``scoring`` option (mean logit or mean log-prob: what a verifier's score is).
 
 Pure Python on small lists (N members × N candidates), so it is exact, cheap and testable
 against hand-computed values.

@@ -76,6 +76,10 @@ class Workers:
         for worker in list(self._threads):
             worker.join(max(0.0, deadline - time.monotonic()))
 
+    def running(self) -> int:
+        """Workers running now (a cancelled request's ends after its current item)."""
+        return sum(1 for w in list(self._threads) if w.is_alive())
+
     def idle(self) -> bool:
         """Whether no worker is running."""
-        return not any(w.is_alive() for w in list(self._threads))
+        return self.running() == 0

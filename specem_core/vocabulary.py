@@ -14,8 +14,10 @@ stop strings        ``stop``                       ``--stop`` / ``stop`` (``stop
 member retries      ``member_retries``             ``max_retries``
 ==================  =============================  =========================================
 
-:data:`ALIASES` is the one table of these spellings: every surface reads it (through
-:func:`config_fields` and :func:`surface_names`) instead of spelling the pairs itself.
+:data:`ALIASES` is the one table of these spellings (any accepted spelling -> the field), and
+:data:`SURFACE_NAMES` the one table the other way (the field -> the surfaces' name): every surface
+reads them (through :func:`config_fields` and ``specem_integrations._options``) instead of
+spelling the pairs itself.
 
 Example:
     >>> config_fields({"max_tokens": 64, "temperature": 0}, where="ChatSpecEM")
@@ -25,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -41,19 +44,31 @@ ALIASES: dict[str, str] = {
 }
 """Surface name -> the SpecEMConfig field it sets."""
 
+SURFACE_NAMES: dict[str, str] = {"max_new_tokens": "max_tokens", "member_retries": "max_retries"}
+"""The field -> the name the surfaces give it (a class field, a ``--flag``, a request parameter),
+for the fields the hosts name otherwise (OpenAI, LangChain and LlamaIndex say ``max_tokens``); the
+other fields keep their own names there. The one table in this direction: :data:`ALIASES` reads
+the other way (any accepted spelling -> the field)."""
+
 OPENAI_ALIASES: dict[str, str] = {"max_completion_tokens": "max_new_tokens"}
 """Spellings the OpenAI-compatible server takes besides :data:`ALIASES` (OpenAI's newer name of
 ``max_tokens``; given both, it wins)."""
 
 
 def surface_names(attributes: Iterable[str]) -> dict[str, str]:
-    """Field -> the surface's own name for it, for the :data:`ALIASES` a surface holds as
-    attributes (e.g. ``{"max_new_tokens": "max_tokens"}`` for a class with a ``max_tokens`` field).
+    """Deprecated (until 0.3): read :data:`SURFACE_NAMES`. Field -> the surface's own name for it,
+    for the :data:`ALIASES` a surface holds as attributes.
 
     Example:
+        >>> import warnings; warnings.simplefilter("ignore", FutureWarning)
         >>> surface_names(["max_tokens", "max_retries", "temperature"])
         {'max_new_tokens': 'max_tokens', 'member_retries': 'max_retries'}
     """
+    warnings.warn(
+        "specem_core.vocabulary.surface_names is deprecated: read SURFACE_NAMES; it goes in 0.3",
+        FutureWarning,
+        stacklevel=2,
+    )
     names = set(attributes)
     return {field: alias for alias, field in ALIASES.items() if alias in names}
 

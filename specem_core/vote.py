@@ -1,4 +1,4 @@
-"""One round's vote (SPEC §1, steps 3-5): the verifiers' score rows in, the winner out.
+"""One round's vote (SPEC §1, steps 3-5), on :mod:`specem_core.scoring`'s arithmetic: rows in, winner out.
 
 The engine gathers the rows (``MemberSession.score`` on each distinct candidate); this module turns
 them into per-candidate rows (:func:`score_rows`: raw scores, normalized rows), updates the

@@ -1,17 +1,24 @@
 """Member weights learned across requests (opt-in), with priors, saved as a small JSON file.
 
-The paper's Hedge restarts from uniform weights on every request, and with two members its
+Three things are called weights in SpecEM (see the glossary, ``docs/reference/glossary.md``):
+*verifier weights* are one request's Hedge weights, one per verifier, that weigh the verifiers'
+rows in each round's vote; *member weights* (this module) are learned across requests and give
+each request its starting verifier weights; *model weights* are a member's model files (a GGUF, a
+Hugging Face checkpoint), which this module never touches.
+
+The paper's Hedge restarts from uniform verifier weights on every request, and with two members its
 reward ``max(wins, 1)/(N−1)²`` is 1 for both whatever happens, so nothing is ever learned. A
-:class:`MemberWeights` object carried by the engine changes that: every request starts from the
-weights learned so far (times the prior), and after the request the verifiers' Hedge rewards are
-added to a running total. The weights are an anytime Hedge over requests:
+:class:`MemberWeights` object carried by the engine changes that: every request starts its
+verifier weights from the member weights learned so far (times the prior), and after the request
+the verifiers' Hedge rewards are added to a running total. The member weights are an anytime
+Hedge over requests:
 
     w_m ∝ prior_m · exp(η0 · R_m / sqrt(T_m))
 
 with R_m the sum over requests of member m's mean reward minus the members' mean (so a request
 where all members do equally well moves nothing) and T_m the number of requests that compared
 member m with others. A member absent from a request (not among its members, failed, or gated)
-is a sleeping expert: its weight neither learns nor fades while it is away.
+is a sleeping expert: its member weight neither learns nor fades while it is away.
 
 Example:
     >>> from specem_core.weights import MemberWeights
@@ -55,7 +62,8 @@ def _share(value: float) -> float:
 
 
 class MemberWeights:
-    """Verifier weights shared by every request of an engine, learned online, savable as JSON.
+    """Member weights: shared by every request of an engine (each request's starting verifier
+    weights), learned online, savable as JSON.
 
     Args:
         prior: relative trust per member name (any positive numbers; they are normalized over the
@@ -65,11 +73,11 @@ class MemberWeights:
         learning_rate: η0 of the Hedge across requests; 0 keeps the prior fixed.
         max_log_ratio: bound on how far learning alone may move the log-weight of one member
             from the mean (keeps a member that loses a long run of requests able to come back).
-        min_share: members whose weight share, among a request's verifiers, is below this sit
+        min_share: members whose member-weight share, among a request's verifiers, is below this sit
             the request out: they neither draft nor verify, and the result reports them as
             excluded at stage ``"gate"``. This keeps a weak member from costing the ensemble
             quality (its segments still win where other verifiers rate them highest) and time.
-            A gated member learns nothing more, so it stays out until the others' weights move,
+            A gated member learns nothing more, so it stays out until the others' member weights move,
             the state is reset, or ``min_share`` is lowered. 0 (the default) gates nobody; the
             best-weighted drafter is never gated.
 
@@ -100,7 +108,7 @@ class MemberWeights:
         self.max_log_ratio = float(max_log_ratio)
         """Bound on how far learning alone may move one member's log-weight from the mean."""
         self.min_share = _share(min_share)
-        """Weight share below which a member sits a request out (0: nobody)."""
+        """Member-weight share below which a member sits a request out (0: nobody)."""
         self.cumulative: dict[str, float] = {}
         """Sum over requests of each member's centred mean Hedge reward (R_m)."""
         self.requests = 0
@@ -108,7 +116,8 @@ class MemberWeights:
         self.counts: dict[str, int] = {}
         """Per member, the contributing requests it took part in (T_m)."""
         self.history: list[dict[str, float]] = []
-        """The normalized weights after each contributing request (the last 10,000; to see how fast they settle)."""
+        """The normalized member weights after each contributing request (the last 10,000; to see
+        how fast they settle)."""
         self.path: Path | None = None
         """Where :meth:`observe` saves the state after each request (set by :meth:`open`)."""
         self._lock = threading.Lock()
@@ -144,12 +153,13 @@ class MemberWeights:
 
     # -- use ---------------------------------------------------------------------------------
     def start(self, names: Sequence[str]) -> list[float]:
-        """Normalized starting weights of these verifiers for a new request."""
+        """Normalized starting verifier weights of these verifiers for a new request (their
+        member weights)."""
         with self._lock:
             return self._weights(names)
 
     def gated(self, names: Sequence[str]) -> dict[str, float]:
-        """The members among ``names`` whose weight share is below ``min_share``, with their share."""
+        """The members among ``names`` whose member-weight share is below ``min_share``, with their share."""
         if self.min_share <= 0.0 or len(names) < 2:
             return {}
         with self._lock:
@@ -157,7 +167,7 @@ class MemberWeights:
         return {n: s for n, s in zip(names, shares, strict=True) if s < self.min_share}
 
     def current(self) -> dict[str, float]:
-        """The weights of every member seen so far (prior or learned), normalized over them."""
+        """The member weight of every member seen so far (prior or learned), normalized over them."""
         with self._lock:
             names = sorted(set(self.prior) | set(self.cumulative))
             return dict(zip(names, self._weights(names), strict=True)) if names else {}
@@ -194,8 +204,8 @@ class MemberWeights:
         self.observe(rewards)
 
     def settled_after(self, tolerance: float = 0.02) -> int | None:
-        """The first request count after which no weight moved by more than ``tolerance``
-        (absolute) to the last recorded weights; ``None`` before two requests."""
+        """The first request count after which no member weight moved by more than ``tolerance``
+        (absolute) to the last recorded member weights; ``None`` before two requests."""
         if len(self.history) < 2:
             return None
         final = self.history[-1]

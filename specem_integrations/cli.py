@@ -20,29 +20,27 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from specem_core import __version__
 from specem_core.backends.base import BatchingMember, ProbingMember
-from specem_core.config import SpecEMConfig, current_names
+from specem_core.config import SpecEMConfig
 from specem_core.errors import ConfigError, SpecEMError
 from specem_core.presets import (
     PRESETS,
+    EnsemblePlan,
     Preset,
     config_of,
     get_preset,
-    load_members,
-    member_weights,
+    plan,
     preset_names,
     resolve,
 )
 from specem_core.types import GenerationResult
-from specem_core.vocabulary import config_fields
+from specem_integrations._options import add_config_flags, flag_values, with_set_items
 
 if TYPE_CHECKING:
     from specem_core.engine import SpecEM
-    from specem_core.weights import MemberWeights
 
 _COLORS = ("\033[36m", "\033[35m", "\033[33m", "\033[32m", "\033[34m", "\033[31m")
 _RESET = "\033[0m"
@@ -131,51 +129,13 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
     )
     if not serving:  # in `specem serve`, --api-key-env is the key clients must send
         parser.add_argument("--api-key-env", default=None, dest="old_api_key_env", help=argparse.SUPPRESS)
-    parser.add_argument("--segment-len", type=int, default=None, help="tokens per drafted segment (default 10)")
-    parser.add_argument(
-        "--max-tokens",
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        dest="max_tokens",
-        help="answer cap in the first member's tokens (default 256"
-        + ("; a request's max_tokens wins)" if serving else ")"),
-    )
-    parser.add_argument("--temperature", type=float, default=None, help="drafting temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--scoring", choices=["mean_logit", "mean_logprob"], default=None)
-    parser.add_argument(
-        "--hedge", action=argparse.BooleanOptionalAction, default=None, help="online Hedge verifier weights"
-    )
-    parser.add_argument(
-        "--model-exit", action=argparse.BooleanOptionalAction, default=None, help="drop consistently losing drafters"
-    )
-    parser.add_argument("--reproduce-paper", action="store_true", help="the authors' exact decisions")
-    parser.add_argument("--faithful", action="store_true", help=argparse.SUPPRESS)  # 0.1's name of --reproduce-paper
-    parser.add_argument(
-        "--token-healing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="drafters redraw the last committed token (boundary artifacts)",
-    )
+    # 0.1's names, hidden: --faithful is --reproduce-paper; --token-healing is a study option (--set)
+    parser.add_argument("--faithful", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
     parser.add_argument("--no-weights", action="store_true", help="no member weights (drop the preset's prior)")
     parser.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
-    _set_argument(parser)
-
-
-def _set_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        dest="set_options",
-        help="any SpecEMConfig field (repeatable), e.g. --set normalization=softmax --set model_exit_temperature=0.2; "
-        "applied after the other options",
-    )
+    add_config_flags(parser, serving=serving)
 
 
 def _calibrate_parser(sub: Any) -> None:
@@ -216,21 +176,13 @@ def _calibrate_parser(sub: Any) -> None:
     cal.add_argument(
         "--learning-rate", type=float, default=1.0, help="eta0 of the weights learned on top of the prior (default 1)"
     )
-    cal.add_argument(
-        "--max-tokens",
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        dest="max_tokens",
-        help="answer cap (default 256: use your serving cap)",
-    )
     _backend_argument(cal)
     cal.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     cal.add_argument(
         "--member-api-key-env", default=None, metavar="VAR", help="environment variable holding the members' API key"
     )
     cal.add_argument("--api-key-env", default=None, dest="old_api_key_env", help=argparse.SUPPRESS)
-    _set_argument(cal)
+    add_config_flags(cal)  # each member alone runs with these settings (use your serving cap)
     cal.set_defaults(verifier=[])  # every member answers alone: no verify-only members here
 
 
@@ -320,36 +272,27 @@ def _check_renamed(args: argparse.Namespace) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _Ensemble:
-    """What a command runs, resolved once from its options and validated before any model loads."""
-
-    preset: Preset | None
-    """``specem_core.presets.resolve``: --preset's, else the default preset when no --model is given."""
-    config: SpecEMConfig
-    """The preset's settings, the options over them, then ``--set``."""
-    weights: MemberWeights | None
-    """``--weights`` (a state file, started from the preset's prior when new), else the preset's
-    shipped prior (dropped by ``--model`` or ``--no-weights``)."""
-
-
-def _resolve(args: argparse.Namespace) -> _Ensemble:
-    """The ensemble the options describe (:class:`_Ensemble`); every option checked, nothing loaded.
+def _resolve(args: argparse.Namespace, err: TextIO) -> EnsemblePlan:
+    """The ensemble the options describe, through the one assembly every surface uses
+    (:func:`specem_core.presets.plan`): every option checked, nothing loaded.
 
     Raises:
         ConfigError: an unknown preset, an invalid setting or contradicting weight options.
     """
     _check_renamed(args)
     preset = resolve(args.preset, members_given=bool(args.model))
-    config = _config(args, preset)
     _check_weight_flags(args, preset)
-    weights = member_weights(
+    return plan(
         preset,
-        members_given=bool(args.model),
+        members=args.model or None,
+        verifiers=args.verifier,
         weights=False if args.no_weights else (args.weights or None),
         min_share=args.min_share,
+        config=_config(args, preset),
+        backend=args.backend,
+        device=args.device,
+        member_kwargs=_member_kwargs(args, err),
     )
-    return _Ensemble(preset, config, weights)
 
 
 def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None:
@@ -362,75 +305,19 @@ def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None
 
 
 def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
-    """The preset's settings, the options over them, then ``--set``."""
+    """The preset's settings, the flags over them, then ``--set``."""
+    options = flag_values(args)
     if args.faithful:
         warnings.warn("--faithful is now --reproduce-paper; the old flag stops working in 0.3", FutureWarning, 2)
-    options: dict[str, Any] = {  # named as on the command line (the aliases: specem_core.vocabulary)
-        "segment_len": args.segment_len,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "stop": tuple(args.stop) if args.stop else None,
-        "scoring": args.scoring,
-        "hedge": args.hedge,
-        "model_exit": args.model_exit,
-        "token_healing": args.token_healing,
-        "reproduce_paper": True if args.reproduce_paper or args.faithful else None,
-    }
-    return _with_set_options(config_of(preset, **config_fields(options, where="specem")), args.set_options)
-
-
-def _with_set_options(config: SpecEMConfig, items: Sequence[str]) -> SpecEMConfig:
-    """``config`` with the ``--set`` items applied last (``none`` really unsets, e.g. a seed)."""
-    import dataclasses
-
-    return dataclasses.replace(config, **_set_options(items)) if items else config
-
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def _set_options(items: Sequence[str]) -> dict[str, Any]:
-    """``--set FIELD=VALUE`` items as typed SpecEMConfig overrides (unknown fields and bad values raise)."""
-    import dataclasses
-
-    types = {f.name: str(f.type) for f in dataclasses.fields(SpecEMConfig)}
-    raw_values: dict[str, Any] = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        name, raw = name.strip(), raw.strip()
-        if not sep or not name:
-            raise ConfigError(f"--set expects FIELD=VALUE, got {item!r}")
-        raw_values[name] = raw
-    out: dict[str, Any] = {}
-    for name, raw in current_names(raw_values, where="--set").items():  # 0.1's names, with a warning
-        if name not in types:
-            raise ConfigError(f"--set: unknown SpecEM option {name!r}")
-        kind = types[name]
-        try:
-            if not isinstance(raw, str):  # converted from its 0.1 form (self_vote=exclude)
-                value: Any = raw
-            elif kind.startswith("bool"):
-                if kind.endswith("None") and raw.lower() in ("none", "auto"):
-                    value = None
-                elif raw.lower() in _TRUE + _FALSE:
-                    value = raw.lower() in _TRUE
-                else:
-                    raise ValueError("expected true or false")
-            elif kind.startswith("int"):
-                value = None if kind.endswith("None") and raw.lower() == "none" else int(raw)
-            elif kind == "float":
-                value = float(raw)
-            elif kind.startswith("tuple"):
-                value = json.loads(raw) if raw.startswith("[") else (raw,)
-            else:  # the choice fields: validated by SpecEMConfig
-                value = raw
-        except ValueError as exc:
-            raise ConfigError(f"--set {name}: cannot read {raw!r} ({exc})") from None
-        out[name] = value
-    return out
+        options["reproduce_paper"] = True
+    if getattr(args, "token_healing", None) is not None:
+        warnings.warn(
+            "--token-healing is a study option: use --set token_healing=true; the flag stops working in 0.3",
+            FutureWarning,
+            2,
+        )
+        options["token_healing"] = args.token_healing
+    return with_set_items(config_of(preset, **options), args.set_options)
 
 
 def _backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -459,21 +346,11 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
     return options
 
 
-def _engine(args: argparse.Namespace, err: TextIO, ensemble: _Ensemble) -> SpecEM:
-    """The ensemble a command runs, loaded (:meth:`SpecEM.from_preset`, the one assembly every
-    surface uses) from what :func:`_resolve` decided."""
+def _engine(ensemble: EnsemblePlan) -> SpecEM:
+    """The ensemble a command runs, loaded from what :func:`_resolve` decided."""
     from specem_core.engine import SpecEM
 
-    engine = SpecEM.from_preset(
-        ensemble.preset,
-        members=args.model,
-        verifiers=args.verifier,
-        weights=ensemble.weights if ensemble.weights is not None else False,
-        config=ensemble.config,
-        backend=args.backend,
-        device=args.device,
-        member_kwargs=_member_kwargs(args, err),
-    )
+    engine = SpecEM.from_plan(ensemble)
     _probe_servers(engine.members)
     return engine
 
@@ -511,8 +388,8 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     messages = [{"role": "user", "content": prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
-    ensemble = _resolve(args)
-    engine = _engine(args, err, ensemble)
+    ensemble = _resolve(args, err)
+    engine = _engine(ensemble)
     members = engine.members
     preset = ensemble.preset
     if preset is not None:
@@ -674,7 +551,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise SpecEMError(f"--port must be in 0..65535, got {args.port}")
     if not args.served_model_name.strip():
         raise SpecEMError("--served-model-name must not be empty")
-    ensemble = _resolve(args)  # everything validated before binding a port or loading models
+    ensemble = _resolve(args, err)  # everything validated before binding a port or loading models
     api_key: str | None = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env, "").strip()
@@ -688,7 +565,7 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         logging.config.dictConfig(log_config(args.log_level, "json"))
         err = cast(TextIO, JsonLineWriter(err))
     try:
-        engine = _engine(args, err, ensemble)
+        engine = _engine(ensemble)
         preset = ensemble.preset
         members = engine.members
         _set_request_batch_size(members, args.request_batch_size, err)
@@ -751,20 +628,25 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         options["min_share"] = args.min_share
     MemberWeights({}, **options)  # validate the options before loading anything
     _check_renamed(args)
-    preset = resolve(args.preset, members_given=bool(args.model))
-    answer_cap = config_fields({"max_tokens": args.max_tokens}, where="specem calibrate")
-    config = _with_set_options(SpecEMConfig().replace(**answer_cap), args.set_options)
+    config = with_set_items(SpecEMConfig().replace(**flag_values(args)), args.set_options)
     template = args.prompt_template
     if template is not None:  # "\n" typed on a shell command line means a line break
         template = template.replace("\\n", "\n").replace("\\t", "\t")
     examples = load_examples(args.data, prompt_template=template, answer_field=args.answer_field, limit=args.limit)
     if not examples:
         raise SpecEMError(f"{args.data} holds no examples")
-    members = load_members(
-        args.model or (list(preset.members) if preset is not None else []),
-        backend=args.backend,
-        device=args.device,
-        member_kwargs=_member_kwargs(args, err),
+    members = (
+        plan(  # the one assembly, without member weights: each member answers alone
+            args.preset,
+            members=args.model or None,
+            weights=False,
+            config=config,
+            backend=args.backend,
+            device=args.device,
+            member_kwargs=_member_kwargs(args, err),
+        )
+        .load()
+        .members
     )
 
     def progress(member: str, done: int, total: int) -> None:

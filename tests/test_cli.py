@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -117,29 +118,42 @@ def test_end_to_end_on_the_real_default_preset() -> None:
 def test_switches_map_to_config_fields() -> None:
     from specem_integrations.cli import _config, _parser
 
-    args = _parser().parse_args(["chat", "hi", "--token-healing", "--model-exit", "--no-hedge", "--segment-len", "5"])
-    config = _config(args, None)
+    argv = ["chat", "hi", "--set", "token_healing=true", "--model-exit", "--no-hedge", "--segment-len", "5"]
+    config = _config(_parser().parse_args(argv), None)
     assert (config.token_healing, config.model_exit, config.hedge, config.segment_len) == (True, True, False, 5)
     assert _config(_parser().parse_args(["chat", "hi"]), None).token_healing is False
     assert _config(_parser().parse_args(["chat", "hi", "--max-new-tokens", "7"]), None).max_new_tokens == 7
+    assert _config(_parser().parse_args(["chat", "hi", "--member-retries", "3"]), None).member_retries == 3
+
+
+def test_study_options_have_no_flag_of_their_own_and_old_flags_still_work() -> None:
+    """``--token-healing`` (a study option: ``--set``) and ``--faithful`` (0.1's ``--reproduce-paper``)
+    are hidden and still work, with a warning naming the way to say it now."""
+    from specem_integrations.cli import _config, _parser
+
+    assert "--token-healing" not in _parser().format_help()
+    with pytest.warns(FutureWarning, match="--set token_healing=true"):
+        assert _config(_parser().parse_args(["chat", "hi", "--token-healing"]), None).token_healing is True
+    with pytest.warns(FutureWarning, match="--reproduce-paper"):
+        assert _config(_parser().parse_args(["chat", "hi", "--faithful"]), None).reproduce_paper is True
 
 
 def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
     from specem_core.presets import get_preset
     from specem_integrations.cli import _parser, _resolve
 
-    ensemble = _resolve(_parser().parse_args(["chat", "hi"]))
+    ensemble = _resolve(_parser().parse_args(["chat", "hi"]), io.StringIO())
     assert ensemble.preset is get_preset("quality")  # no --model: the default preset
     config = ensemble.config
     assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (2, "softmax", True)
     assert ensemble.weights is not None
     assert set(ensemble.weights.prior) == set(get_preset("quality").members)
     args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
-    config = _resolve(args).config
+    config = _resolve(args, io.StringIO()).config
     assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")
-    ensemble = _resolve(_parser().parse_args(["chat", "hi", "--model", "smollm2"]))  # members of your own
+    ensemble = _resolve(_parser().parse_args(["chat", "hi", "--model", "smollm2"]), io.StringIO())  # your own
     assert (ensemble.preset, ensemble.weights, ensemble.config.normalization) == (None, None, "sum")
-    ensemble = _resolve(_parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"]))
+    ensemble = _resolve(_parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"]), io.StringIO())
     assert ensemble.preset is get_preset("fast")
     assert ensemble.weights is None  # --model replaces the members: the preset's prior names others
 
@@ -329,15 +343,13 @@ def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(t
 
     options = ["--backend", "transformers", "--no-prefix-cache", "--prefix-cache-tokens", "512"]
     args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], *options])
-    engine = _engine(args, io.StringIO(), _resolve(args))
+    engine = _engine(_resolve(args, io.StringIO()))
     (member,) = engine.members
     assert (member.prefix_cache, member.prefixes.budget_tokens) == (False, 512)
     args = _parser().parse_args(["chat", "hi", "--model", tiny_dirs[0], "--backend", "transformers"])
-    engine = _engine(
-        args, io.StringIO(), _resolve(args)
-    )  # the same weights again: the default options, not the last ones
+    engine = _engine(_resolve(args, io.StringIO()))  # the same weights again: the default options, not the last ones
     assert engine.members[0].prefix_cache is True
     for model, named in ((tiny_dirs[0], "transformers member"), ("openai:http://127.0.0.1:9/v1#m", "server member")):
         args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
         with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
-            _engine(args, io.StringIO(), _resolve(args))
+            _engine(_resolve(args, io.StringIO()))

@@ -1,9 +1,10 @@
 """The site's griffe extensions (``docs/griffe_docstrings.py``), on the real packages.
 
-``RuntimeModelFields`` must give every field of ``SpecEMLLM`` its description (most are built at
-run time from ``SpecEMConfig``'s field docstrings, which a static reading cannot see) and its
-default instead of the ``Field(...)`` call, and must turn ``SpecEMOptions`` (a ``create_model``
-result, an attribute to griffe) into a class with one documented attribute per field.
+``RuntimeModelFields`` must give every field of ``ChatSpecEM`` and ``SpecEMLLM`` its description and
+default, the fields they inherit from ``EnsembleFields`` (declared once for every surface, built at
+run time from ``SpecEMConfig``'s field docstrings, which a static reading cannot see) included, and
+must turn ``SpecEMOptions`` (a ``create_model`` result, an attribute to griffe) into a class with one
+documented attribute per field.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ griffe = pytest.importorskip("griffe")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = [
+    "specem_integrations.langchain.chat_models.ChatSpecEM",
     "specem_integrations.llamaindex.base.SpecEMLLM",
     "specem_integrations.server._protocol.SpecEMOptions",
 ]
+SHARED = ["specem_integrations._options.EnsembleFields"]
 
 
 def _extensions() -> ModuleType:
@@ -37,30 +40,35 @@ def _load(*extensions: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def documented() -> Any:
-    return _load(_extensions().RuntimeModelFields(models=MODELS))
+    return _load(_extensions().RuntimeModelFields(models=MODELS, shared=SHARED))
 
 
-def test_every_field_of_specemllm_has_its_description_and_default(documented: Any) -> None:
-    from specem_integrations.llamaindex import SpecEMLLM
+@pytest.mark.parametrize("path", MODELS[:2])
+def test_every_field_of_the_adapters_has_its_description_and_default(documented: Any, path: str) -> None:
+    import importlib
 
-    cls = documented["llamaindex.base.SpecEMLLM"]
-    own = [name for name in SpecEMLLM.model_fields if name in cls.members]
-    assert len(own) >= 30
-    for name in own:
-        attribute = cls.members[name]
-        assert attribute.docstring is not None, name
-        assert attribute.docstring.value == _extensions().rewrite(SpecEMLLM.model_fields[name].description), name
-        assert "Field(" not in str(attribute.value), name
+    from specem_integrations._options import EnsembleFields
+
+    module, name = path.rsplit(".", 1)
+    model = getattr(importlib.import_module(module), name)
+    cls = documented[path.removeprefix("specem_integrations.")]
+    for field in EnsembleFields.model_fields:  # declared once, listed on each adapter's page
+        attribute = cls.members[field]
+        assert attribute.docstring is not None, field
+        assert attribute.docstring.value == _extensions().rewrite(model.model_fields[field].description), field
+        assert "Field(" not in str(attribute.value), field
+    assert len(EnsembleFields.model_fields) >= 30
     assert str(cls.members["temperature"].value) == "None"
     assert str(cls.members["member_kwargs"].value) == "{}"
+    assert cls.members["segment_boundary"].annotation == "Literal['tokens', 'line'] | None"
 
 
-def test_without_the_extension_the_runtime_descriptions_are_missing() -> None:
-    """The check above is not vacuous: griffe alone sees ``Field(description=_doc(...))``."""
-    cls = _load()["llamaindex.base.SpecEMLLM"]
-    assert cls.members["temperature"].docstring is None
-    assert "Field(" in str(cls.members["temperature"].value)
-    assert not isinstance(_load()["server._protocol.SpecEMOptions"], griffe.Class)
+def test_without_the_extension_the_runtime_fields_are_missing() -> None:
+    """The check above is not vacuous: griffe alone sees no inherited field on the adapters."""
+    package = _load()
+    assert "temperature" not in package["llamaindex.base.SpecEMLLM"].members
+    assert "temperature" not in package["langchain.chat_models.ChatSpecEM"].members
+    assert not isinstance(package["server._protocol.SpecEMOptions"], griffe.Class)
 
 
 def test_specem_options_becomes_a_class_with_one_documented_attribute_per_field(documented: Any) -> None:

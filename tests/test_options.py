@@ -10,6 +10,7 @@ engine must hold it. A new option that some surface does not take fails here.
 from __future__ import annotations
 
 import dataclasses
+import io
 import typing
 import warnings
 from typing import Any
@@ -67,18 +68,47 @@ def test_every_user_option_has_a_one_line_meaning() -> None:
     assert not long
 
 
+def scripted_members() -> list[Any]:
+    """Ready members that answer at once: the engine runs a real request with them, and its
+    result says the configuration the request ran with (``GenerationResult.config``)."""
+    from scripted import ScriptedMember
+
+    return [ScriptedMember("a", drafts=[("Paris", True)]), ScriptedMember("b", drafts=[("Lyon", True)])]
+
+
+def ran_with(result: Any, name: str) -> Any:
+    """The value of option ``name`` in the configuration a request ran with."""
+    value = result.config[name]
+    return tuple(value) if isinstance(value, list) else value
+
+
+def short(name: str) -> dict[str, Any]:
+    """A short answer cap for the run (unless the option under test is the cap itself)."""
+    return {} if name == "max_new_tokens" else {"max_new_tokens": 4}
+
+
 @pytest.mark.parametrize("name", OPTIONS)
-def test_the_config_and_the_cli_take_every_option(name: str) -> None:
-    from specem_integrations.cli import _set_options
+def test_the_cli_runs_the_engine_with_every_option(name: str) -> None:
+    """``--set`` for every option, and a flag of its own for every option a user tunes: the
+    engine ``specem chat`` builds (its plan, through the one assembly) holds the value."""
+    from specem_integrations._options import option, parse_set_items
+    from specem_integrations.cli import _parser, _resolve
 
     value = other_value(name)
-    assert getattr(SpecEMConfig(**{name: value}), name) == value
     raw = value[0] if isinstance(value, tuple) else str(value).lower() if isinstance(value, bool) else value
-    assert getattr(SpecEMConfig().replace(**_set_options([f"{name}={raw}"])), name) == value
+    assert getattr(SpecEMConfig().replace(**parse_set_items([f"{name}={raw}"])), name) == value
+    argv = ["chat", "hi", "--model", "smollm2", "--set", f"{name}={raw}"]
+    assert getattr(_resolve(_parser().parse_args(argv), io.StringIO()).config, name) == value
+    if name in USER_OPTIONS:
+        flag = option(SURFACE_NAME.get(name, name)).flags[0]
+        given = [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(raw)]
+        args = _parser().parse_args(["chat", "hi", "--model", "smollm2", *given])
+        assert getattr(_resolve(args, io.StringIO()).config, name) == value
 
 
 @pytest.mark.parametrize("name", OPTIONS)
-def test_the_server_takes_every_option(name: str) -> None:
+def test_the_server_runs_the_engine_with_every_option(name: str) -> None:
+    from specem_core import SpecEM
     from specem_integrations.server._protocol import REQUEST_FIELDS, build_call, parse_request
 
     value = other_value(name)
@@ -90,34 +120,44 @@ def test_the_server_takes_every_option(name: str) -> None:
     else:  # an OpenAI top-level field
         top = {"max_new_tokens": "max_tokens", "stop": "stop"}.get(name, name)
         body[top] = list(value) if isinstance(value, tuple) else value
-    call = build_call(parse_request(body), SpecEMConfig())
-    assert getattr(SpecEMConfig().replace(**call.overrides), name) == value
+    engine = SpecEM(scripted_members(), SpecEMConfig(**short(name)))
+    call = build_call(parse_request(body), engine.config)
+    result = engine.generate(call.messages, **call.kwargs, **call.overrides)  # as the server calls it
+    assert ran_with(result, name) == value
 
 
 @pytest.mark.parametrize("name", OPTIONS)
-def test_chat_specem_takes_every_option(name: str) -> None:
+def test_chat_specem_runs_the_engine_with_every_option(name: str) -> None:
+    from langchain_core.messages import HumanMessage
+
     from specem_integrations.langchain import ChatSpecEM
 
     value = other_value(name)
     given = list(value) if isinstance(value, tuple) else value
-    via_options = ChatSpecEM(members=["smollm2"], engine_options={name: given})
-    assert getattr(SpecEMConfig().replace(**via_options._overrides({}, None)), name) == value
+    surfaces = [ChatSpecEM(members=scripted_members(), engine_options={**short(name), name: given})]
     if name in USER_OPTIONS:  # a field of its own
-        llm = ChatSpecEM(members=["smollm2"], **{SURFACE_NAME.get(name, name): given})
-        assert getattr(SpecEMConfig().replace(**llm._overrides({}, None)), name) == value
+        fields = {SURFACE_NAME.get(name, name): given, "engine_options": short(name)}
+        surfaces.append(ChatSpecEM(members=scripted_members(), **fields))
+    for llm in surfaces:
+        events = list(llm._events([HumanMessage("hi")], None, {}))
+        assert ran_with(events[-1].result, name) == value
 
 
 @pytest.mark.parametrize("name", OPTIONS)
-def test_specem_llm_takes_every_option(name: str) -> None:
+def test_specem_llm_runs_the_engine_with_every_option(name: str) -> None:
+    from llama_index.core.base.llms.types import ChatMessage
+
     from specem_integrations.llamaindex import SpecEMLLM
 
     value = other_value(name)
     given = list(value) if isinstance(value, tuple) else value
-    via_options = SpecEMLLM(members=["smollm2"], engine_options={name: given})
-    assert getattr(SpecEMConfig().replace(**via_options._config_overrides({})), name) == value
+    surfaces = [SpecEMLLM(members=scripted_members(), engine_options={**short(name), name: given})]
     if name in USER_OPTIONS:
-        llm = SpecEMLLM(members=["smollm2"], **{SURFACE_NAME.get(name, name): given})
-        assert getattr(SpecEMConfig().replace(**llm._config_overrides({})), name) == value
+        fields = {SURFACE_NAME.get(name, name): given, "engine_options": short(name)}
+        surfaces.append(SpecEMLLM(members=scripted_members(), **fields))
+    for llm in surfaces:
+        response = llm.chat([ChatMessage(role="user", content="hi")])
+        assert ran_with(type("R", (), {"config": response.raw["config"]})(), name) == value
 
 
 def test_the_adapters_have_a_field_for_every_user_option_and_no_other() -> None:
@@ -135,7 +175,7 @@ def test_the_adapters_have_a_field_for_every_user_option_and_no_other() -> None:
 
 @pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
 def test_an_old_name_still_works_with_a_warning(old: str, new: str) -> None:
-    from specem_integrations.cli import _set_options
+    from specem_integrations._options import parse_set_items
     from specem_integrations.server._protocol import build_call, parse_request
 
     value = other_value(new)
@@ -145,7 +185,7 @@ def test_an_old_name_still_works_with_a_warning(old: str, new: str) -> None:
     with pytest.warns(FutureWarning, match=old):
         assert getattr(SpecEMConfig().replace(**{old: old_value}), new) == value
     with pytest.warns(FutureWarning, match=old):
-        assert _set_options([f"{old}={str(old_value).lower()}"]) == {new: value}
+        assert parse_set_items([f"{old}={str(old_value).lower()}"]) == {new: value}
     body = {"messages": [{"role": "user", "content": "hi"}], "specem": {old: old_value}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the server logs it instead of warning in the request
@@ -158,16 +198,19 @@ def test_an_option_under_both_names_is_an_error() -> None:
         SpecEMConfig(faithful=True, reproduce_paper=True)
 
 
-def test_old_adapter_fields_still_work_with_a_warning() -> None:
+@pytest.mark.parametrize(("old", "new"), sorted((o, n) for o, n in RENAMED.items() if n in USER_OPTIONS))
+def test_old_adapter_fields_still_work_with_a_warning(old: str, new: str) -> None:
+    """Every renamed option that is an adapter field: its 0.1 name still sets it, with a warning."""
     from specem_integrations.langchain import ChatSpecEM
     from specem_integrations.llamaindex import SpecEMLLM
 
-    with pytest.warns(FutureWarning, match="'faithful' is now called 'reproduce_paper'"):
-        chat = ChatSpecEM(members=["smollm2"], faithful=True)
-    assert chat._overrides({}, None)["reproduce_paper"] is True
-    with pytest.warns(FutureWarning, match="'eos_voting' is now called 'vote_on_stop'"):
-        llm = SpecEMLLM(members=["smollm2"], eos_voting=False)
-    assert llm._config_overrides({})["vote_on_stop"] is False
+    value = other_value(new)
+    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
+        chat = ChatSpecEM(members=["smollm2"], **{old: value})
+    assert chat._overrides({}, None)[new] == value
+    with pytest.warns(FutureWarning, match=f"'{old}' is now called '{new}'"):
+        llm = SpecEMLLM(members=["smollm2"], **{old: value})
+    assert llm._config_overrides({})[new] == value
 
 
 def test_the_removed_extra_is_ignored_with_a_warning() -> None:

@@ -22,13 +22,10 @@ def _generate(speed: Any, members: list[Any]) -> tuple[Any, Any]:
     from specem_core import SpecEM, SpecEMConfig
 
     times = speed.CallTimes(members)
-    try:
-        engine = SpecEM(members, SpecEMConfig(segment_len=4, ignore_eos=True))
-        engine.generate(MESSAGES, max_new_tokens=4)  # counted, then forgotten by reset()
-        times.reset()
-        result = engine.generate(MESSAGES, max_new_tokens=16)
-    finally:
-        times.disarm()
+    engine = SpecEM(members, SpecEMConfig(segment_len=4, ignore_eos=True), observers=[times])
+    engine.generate(MESSAGES, max_new_tokens=4)  # counted, then forgotten by reset()
+    times.reset()
+    result = engine.generate(MESSAGES, max_new_tokens=16)
     return times, result
 
 
@@ -39,7 +36,7 @@ def _check_counts(times: Any, result: Any, members: list[Any]) -> None:
         calls, seconds = times.calls[m.name], times.seconds[m.name]
         assert calls == {"draft": rounds, "score": rounds, "commit": rounds}
         assert all(v > 0 for v in seconds.values())
-        assert "open" not in vars(m)  # disarmed: the class's own method again
+        assert "open" not in vars(m)  # told by the engine: the member itself is not wrapped
 
 
 def test_overlapping_calls_are_flagged_on_transformers(speed: Any) -> None:

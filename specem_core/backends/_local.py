@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from specem_core.backends._prefix_cache import common_prefix
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
@@ -182,6 +182,27 @@ class LocalVocabulary:
         return bool(self.__dict__["_concatenates"])
 
 
+class LocalMember(Protocol):
+    """What a :class:`LocalSession` needs of its member (a local member: a
+    :class:`LocalVocabulary` with a name and a context window). Each backend's session module
+    extends it with what that backend's session uses (its member module imports the session
+    module, so a session names its member by a protocol)."""
+
+    name: str
+    stop_ids: frozenset[int]
+    suppress_ids: list[int]
+    chat: Any
+    """The member's :class:`~specem_core.chat_format.ChatFormat`."""
+
+    @property
+    def context_window(self) -> int | None: ...
+    def encode_prompt(self, request: SessionRequest) -> list[int]: ...
+    def encode_response(self, text: str) -> list[int]: ...
+    def token_text(self, token: int) -> str: ...
+    def tokens_extending(self, prefix: str) -> list[int]: ...
+    def token_texts_concatenate(self) -> bool: ...
+
+
 def _larger_window(prompt_tokens: int) -> int:
     """A context window that holds the prompt and a typical answer (a power of two, for the message)."""
     return 1 << max(12, (prompt_tokens + 1024 - 1).bit_length())
@@ -197,9 +218,9 @@ class LocalSession(MemberSession):
     drafting loop) and the text hooks ``_draft_text``, ``_incomplete``, ``_has_newline``.
     """
 
-    _m: Any
+    _m: LocalMember
 
-    def _start(self, member: Any, request: SessionRequest) -> None:
+    def _start(self, member: LocalMember, request: SessionRequest) -> None:
         """Encode the prompt and check that it fits (no model work)."""
         self._prompt_ids: list[int] = member.encode_prompt(request)
         if not self._prompt_ids:

@@ -8,6 +8,7 @@ text) and answers four calls per round: ``draft``, ``score``, ``commit`` and, at
 Optional features a backend may offer are declared protocols too, and read through them (never
 by probing attribute names): :class:`CostedMember` (the relative cost of a drafted token),
 :class:`ProbingMember` (a server member that asks its server what it offers),
+:class:`BreakerMember` (a server member behind a circuit breaker),
 :class:`SettlingMember` (background work to wait for at shutdown), :class:`BatchingMember`
 (cross-request batching on one device), :class:`CachingSession` (prompt tokens read from a
 prefix cache) and :class:`ServerSession` (how a session worked with its server).
@@ -162,6 +163,41 @@ class ProbingMember(Protocol):
 
     def probe(self) -> object:
         """Ask the server what it offers (cached: later calls return the first answer)."""
+        ...
+
+
+class Breaker(Protocol):
+    """What a circuit breaker shows of itself (:class:`~specem_core.backends.http.client.CircuitBreaker`)."""
+
+    @property
+    def key(self) -> str:
+        """The server it guards (scheme, host and port)."""
+        ...
+
+    @property
+    def state(self) -> str:
+        """``closed``, ``half_open`` or ``open``."""
+        ...
+
+    @property
+    def opened(self) -> int:
+        """Times it opened."""
+        ...
+
+    @property
+    def rejected(self) -> int:
+        """Calls refused at once while it was open."""
+        ...
+
+
+@runtime_checkable
+class BreakerMember(Protocol):
+    """A member on a server whose calls go through a circuit breaker (shared by every member of
+    that server): its state is what a server's metrics show."""
+
+    @property
+    def breaker(self) -> Breaker:
+        """The circuit breaker of this member's server."""
         ...
 
 

@@ -21,10 +21,11 @@ imports only the ones listed before it):
   that is fenced or cut short. It never raises on model output.
 * :mod:`~specem_core.tools.json_prefix` — a JSON parser that accepts any prefix of a valid
   document and checks a JSON schema on the way.
-* :mod:`~specem_core.tools.constraints` — :class:`ToolCallConstraint`, :class:`JSONConstraint` and
-  :class:`PlainTextConstraint` (and :class:`AnswerConstraint`, the words of a final answer after
-  tool results), the :data:`~specem_core.engine.CandidateFilter` s that keep a
-  segment a valid prefix (of a call to a known tool with arguments fitting its schema, of a JSON
+* :mod:`~specem_core.tools.constraints` — what a constraint is (:class:`CandidateFilter`, the
+  protocols of its optional methods, the :class:`Constraint` base class) and
+  :class:`ToolCallConstraint`, :class:`JSONConstraint` and :class:`PlainTextConstraint` (and
+  :class:`AnswerConstraint`, the words of a final answer after tool results), the constraints
+  that keep a segment a valid prefix (of a call to a known tool with arguments fitting its schema, of a JSON
   answer, of plain text) during generation.
 * :mod:`~specem_core.tools.plan` — :class:`OutputPlan` puts it together for one request: which
   tools to render, a *prefill* that forces a call for ``tool_choice="required"`` or a named tool,
@@ -35,7 +36,18 @@ imports only the ones listed before it):
 Every public name is re-exported here: ``from specem_core.tools import OutputPlan`` etc.
 """
 
-from specem_core.tools.constraints import AnswerConstraint, JSONConstraint, PlainTextConstraint, ToolCallConstraint
+from specem_core.tools.constraints import (
+    AnswerConstraint,
+    CandidateFilter,
+    CompletingFilter,
+    Constraint,
+    JSONConstraint,
+    ListingFilter,
+    PlainTextConstraint,
+    ToolCallConstraint,
+    TrimmingFilter,
+    as_constraint,
+)
 from specem_core.tools.parse import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -52,7 +64,6 @@ from specem_core.tools.plan import (
     JSON_INSTRUCTION,
     JSON_SCHEMA_INSTRUCTION,
     MAX_TOOL_ROUNDS,
-    CandidateFilter,
     ContentStream,
     OutputPlan,
     answer_words,
@@ -82,16 +93,21 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "AnswerConstraint",
     "CandidateFilter",
+    "CompletingFilter",
+    "Constraint",
     "ContentStream",
     "JSONConstraint",
+    "ListingFilter",
     "OutputPlan",
     "ParsedResponse",
     "PlainTextConstraint",
     "ToolCallConstraint",
     "ToolChoice",
     "ToolChoiceMode",
+    "TrimmingFilter",
     "answer_words",
     "answered_calls",
+    "as_constraint",
     "call_in_progress",
     "coerce_arguments",
     "loads_lenient",

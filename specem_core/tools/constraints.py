@@ -1,8 +1,14 @@
 """Constraints that keep a segment a valid prefix while the ensemble generates it.
 
+What a constraint is, typed: :class:`CandidateFilter` (the protocol every ``constraint=`` is:
+``constraint(committed, candidate) -> keep?``), its optional methods as protocols of their own
+(:class:`TrimmingFilter`, :class:`ListingFilter`, :class:`CompletingFilter`), and
+:class:`Constraint`, the base class with every optional method (defaults that do nothing) that
+the engine works with: :func:`as_constraint` wraps any other filter in one.
+
 The constraints, built on :class:`~specem_core.tools.json_prefix.JSONPrefixParser` (a JSON
 parser that accepts any prefix of a valid document and checks a JSON schema on the way), are
-:data:`~specem_core.engine.CandidateFilter` s:
+:class:`Constraint` s:
 
 * :class:`ToolCallConstraint`: once a call has started, only candidates that keep it a valid JSON
   *prefix* of a call to a known tool with arguments fitting the schema stay in the vote (property
@@ -16,8 +22,9 @@ parser that accepts any prefix of a valid document and checks a JSON schema on t
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from specem_core.tools.json_prefix import JSONPrefixParser, PrefixIncomplete, PrefixInvalid
 from specem_core.tools.parse import (
@@ -26,6 +33,90 @@ from specem_core.tools.parse import (
     call_regions,
     tool_index,
 )
+
+
+class CandidateFilter(Protocol):
+    """``constraint(committed_text, candidate_text) -> keep?`` — e.g. keep a started tool call
+    parseable. When it rejects every candidate of a round, all of them stay in the vote. A plain
+    function is one; the engine also uses the optional methods of :class:`TrimmingFilter`,
+    :class:`ListingFilter` and :class:`CompletingFilter` when a filter has them (a
+    :class:`Constraint` has all three)."""
+
+    def __call__(self, committed: str, candidate: str, /) -> bool: ...
+
+
+@runtime_checkable
+class TrimmingFilter(CandidateFilter, Protocol):
+    """A :class:`CandidateFilter` that can cut a rejected candidate back to what it accepts."""
+
+    def trim(self, committed: str, candidate: str) -> str:
+        """The longest acceptable prefix of ``candidate`` after ``committed`` (``""``: none)."""
+        ...
+
+
+@runtime_checkable
+class ListingFilter(CandidateFilter, Protocol):
+    """A :class:`CandidateFilter` that can list the continuations it accepts."""
+
+    def options(self, committed: str) -> list[str]:
+        """The continuations of ``committed``, when they can be listed (voted on when no
+        candidate fits); empty otherwise."""
+        ...
+
+
+@runtime_checkable
+class CompletingFilter(CandidateFilter, Protocol):
+    """A :class:`CandidateFilter` that knows when the answer is a whole document."""
+
+    def complete(self, text: str) -> bool:
+        """Whether ``text`` (the committed answer) is whole: the engine ends it there with ``stop``."""
+        ...
+
+
+class Constraint(ABC):
+    """A :class:`CandidateFilter` with every optional method; the defaults do nothing (no trim,
+    no options, never complete). Every constraint of this package is one."""
+
+    @abstractmethod
+    def __call__(self, committed: str, candidate: str) -> bool:
+        """Whether ``candidate`` may follow ``committed``."""
+
+    def trim(self, committed: str, candidate: str) -> str:
+        """The longest acceptable prefix of ``candidate`` (none by default: ``""``)."""
+        return ""
+
+    def options(self, committed: str) -> list[str]:
+        """The continuations of ``committed`` that can be listed (none by default)."""
+        return []
+
+    def complete(self, text: str) -> bool:
+        """Whether the answer ``text`` is a whole document (never, by default)."""
+        return False
+
+
+class _Wrapped(Constraint):
+    """Any :class:`CandidateFilter` as a :class:`Constraint`: its optional methods where it has
+    them, the defaults where not."""
+
+    def __init__(self, inner: CandidateFilter) -> None:
+        self.inner = inner
+
+    def __call__(self, committed: str, candidate: str) -> bool:
+        return bool(self.inner(committed, candidate))
+
+    def trim(self, committed: str, candidate: str) -> str:
+        return self.inner.trim(committed, candidate) if isinstance(self.inner, TrimmingFilter) else ""
+
+    def options(self, committed: str) -> list[str]:
+        return list(self.inner.options(committed)) if isinstance(self.inner, ListingFilter) else []
+
+    def complete(self, text: str) -> bool:
+        return bool(self.inner.complete(text)) if isinstance(self.inner, CompletingFilter) else False
+
+
+def as_constraint(constraint: CandidateFilter) -> Constraint:
+    """``constraint`` itself when it is a :class:`Constraint`, else wrapped in one."""
+    return constraint if isinstance(constraint, Constraint) else _Wrapped(constraint)
 
 
 def _check_call_text(body: str, tools: Mapping[str, Mapping[str, Any]]) -> tuple[bool, int | None]:
@@ -43,8 +134,8 @@ def _check_call_text(body: str, tools: Mapping[str, Mapping[str, Any]]) -> tuple
     return True, parser.i
 
 
-class ToolCallConstraint:
-    """Keeps started tool calls parseable (a :data:`~specem_core.engine.CandidateFilter`).
+class ToolCallConstraint(Constraint):
+    """Keeps started tool calls parseable (a :class:`Constraint`).
 
     ``constraint(committed, candidate)`` is true when every ``<tool_call>`` region that
     ``committed + candidate`` touches beyond ``committed`` is a valid prefix of
@@ -123,10 +214,10 @@ class ToolCallConstraint:
         return _longest_accepted_prefix(self, committed, candidate)
 
 
-class JSONConstraint:
+class JSONConstraint(Constraint):
     """Keeps a whole JSON answer a valid prefix of a JSON object fitting ``schema``.
 
-    A :data:`~specem_core.engine.CandidateFilter` for ``response_format``; leading whitespace is
+    A :class:`Constraint` for ``response_format``; leading whitespace is
     allowed, trailing text after the closed object is not.
     """
 
@@ -183,7 +274,7 @@ class JSONConstraint:
         return _longest_accepted_prefix(self, committed, candidate)
 
 
-class PlainTextConstraint:
+class PlainTextConstraint(Constraint):
     """Keeps an answer from starting a tool call or a JSON object (``tool_choice="none"``).
 
     Rejects text whose first non-space characters are ``<tool_call>``, ``{`` or a ```` ```json ````

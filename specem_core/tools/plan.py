@@ -25,9 +25,12 @@ from specem_core.tools._jsonschema import resolve_refs, schema_types
 from specem_core.tools.constraints import (
     BARE_CALL_RE,
     AnswerConstraint,
+    CandidateFilter,
+    Constraint,
     JSONConstraint,
     PlainTextConstraint,
     ToolCallConstraint,
+    as_constraint,
 )
 from specem_core.tools.parse import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 from specem_core.tools.schema import ToolChoice, normalize_tool_choice, normalize_tools
@@ -184,9 +187,6 @@ ANSWER_FROM_RESULTS = (  # an imperative: small models echoed a statement ("The 
 JSON_SCHEMA_INSTRUCTION = "Answer with a single JSON object that matches this JSON schema, and nothing else:\n{schema}"
 
 
-CandidateFilter = Callable[[str, str], bool]
-
-
 @dataclass(frozen=True)
 class OutputPlan:
     """How one request handles tools and JSON output (built by :meth:`build`)."""
@@ -199,7 +199,8 @@ class OutputPlan:
     choices: tuple[str, ...] = ()
     """Continuations of the prefill the verifiers vote on before the first round (the tool a
     forced call names, when several tools are given)."""
-    constraint: CandidateFilter | None = None
+    constraint: Constraint | None = None
+    """The candidate filter of the plan (a tool call's, a JSON answer's, plain text's)."""
     stop: tuple[str, ...] = ()
     """Extra stop strings (a forced call ends at its close tag)."""
     instruction: str | None = None
@@ -281,12 +282,12 @@ class OutputPlan:
             parse=True,
         )
 
-    def combine(self, constraint: CandidateFilter | None) -> CandidateFilter | None:
+    def combine(self, constraint: CandidateFilter | None) -> Constraint | None:
         """This plan's constraint and the caller's, both required."""
-        if constraint is None or self.constraint is None:
-            return constraint or self.constraint
-        mine = self.constraint
-        return _Both(mine, constraint)
+        if constraint is None:
+            return self.constraint
+        theirs = as_constraint(constraint)
+        return theirs if self.constraint is None else _Both(self.constraint, theirs)
 
     def prepare_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Add the instruction (JSON output, or answering from the tool results when there are
@@ -381,7 +382,7 @@ class OutputPlan:
             text += event.delta
             if event.done and event.result is not None:
                 words = answer_words(event.result.text)
-                opener = getattr(self.constraint, "opener", None)
+                opener = self.constraint.opener if isinstance(self.constraint, AnswerConstraint) else None
                 if not words or (opener and words.rstrip(" .:,") == opener):
                     words = tool_results_summary(messages)
                 result = dataclasses.replace(event.result, content=words, tool_calls=[], invalid_tool_calls=[])
@@ -523,22 +524,22 @@ def _same_value(value: Any, other: Any, tolerance: float = 0.01) -> bool:
 
 
 @dataclass(frozen=True)
-class _Both:
-    first: CandidateFilter
-    second: CandidateFilter
+class _Both(Constraint):
+    """The plan's constraint (``first``: it trims and lists options) and the caller's (``second``:
+    it only checks them)."""
+
+    first: Constraint
+    second: Constraint
 
     def __call__(self, committed: str, candidate: str) -> bool:
         return self.first(committed, candidate) and self.second(committed, candidate)
 
     def trim(self, committed: str, candidate: str) -> str:
-        trim = getattr(self.first, "trim", None)
-        out = trim(committed, candidate) if trim else candidate
+        out = self.first.trim(committed, candidate)
         return out if self.second(committed, out) else ""
 
     def options(self, committed: str) -> list[str]:
-        options = getattr(self.first, "options", None)
-        return [o for o in (options(committed) if options else []) if self.second(committed, o)]
+        return [o for o in self.first.options(committed) if self.second(committed, o)]
 
     def complete(self, text: str) -> bool:
-        checks = [getattr(c, "complete", None) for c in (self.first, self.second)]
-        return any(bool(check(text)) for check in checks if check is not None)
+        return self.first.complete(text) or self.second.complete(text)

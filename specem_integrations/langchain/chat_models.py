@@ -23,14 +23,13 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from specem_core.config import RENAMED, USER_OPTIONS, current_names
 from specem_core.deadline import awithin, timeout_of, within
-from specem_core.presets import Preset, check_model_name, config_of, resolve
+from specem_core.presets import Preset, check_model_name, resolve
 from specem_core.tools import normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, StreamEvent
-from specem_core.vocabulary import check_known, config_fields, surface_names, with_field_names
+from specem_integrations._options import OPTION_FIELDS, EnsembleFields, member_spec_text, surface_arguments
 from specem_integrations.langchain._convert import final_chunk, to_ai_message, to_engine_messages
 
 if TYPE_CHECKING:
@@ -39,16 +38,9 @@ if TYPE_CHECKING:
 _REQUEST_KEYS = frozenset({"tools", "tool_choice", "response_format", "parallel_tool_calls"})
 _IGNORED_KEYS = frozenset({"strict", "stream_usage"})
 """Per-call arguments LangChain or agents may pass that mean nothing to a local ensemble."""
-_FIXED_PER_INSTANCE = frozenset({"members", "preset", "engine", "engine_options", "backend", "member_kwargs"})
-"""Arguments that choose the ensemble: set on the instance, never per call."""
-_FIELD_ALIASES = surface_names(["max_tokens", "max_retries"])
-"""SpecEMConfig / CLI spellings accepted for ChatSpecEM's fields (LangChain's names win), by the
-field they set (the table: :data:`specem_core.vocabulary.ALIASES`)."""
-_OLD_FIELDS = {old: new for old, new in RENAMED.items() if new in USER_OPTIONS}
-"""Field names of 0.1 (``faithful``, ``eos_voting``, …), accepted with a ``FutureWarning`` until 0.3."""
 
 
-class ChatSpecEM(BaseChatModel):
+class ChatSpecEM(BaseChatModel, EnsembleFields):
     """SpecEM (segment-level ensembling of several LLMs while they generate) as a chat model.
 
     Every round each member drafts the next few tokens, every member scores every draft, and
@@ -125,89 +117,14 @@ class ChatSpecEM(BaseChatModel):
     """A preset by name (the same as ``preset``), or, with ``engine=``, the name that engine is
     reported under. Reported in ``response_metadata`` and tracing; default: the preset's name, or
     ``"specem"`` for members of your own. Any other value is an error, never a silent label."""
-    preset: str | None = None
-    """A named, measured configuration (``"quality"``, ``"fast"``, ``"paper"``: see ``specem
-    presets``): its members, settings and member-weights prior. ``None`` with no ``members``: the
-    default preset. The other fields override the preset's."""
-    members: list[Any] | None = None
-    """The ensemble: default model names (``"smollm2"``, ``"qwen2.5-coder"``, ``"gemma3"``), local
-    directories, ``.gguf`` files, Hugging Face ids, or ready :class:`specem_core.Member` objects.
-    ``None`` means the preset's members (the default preset's without ``preset``)."""
-    backend: Literal["auto", "transformers", "llamacpp"] | None = None
-    """Backend of the members given by name: ``"llamacpp"`` (GGUF in process, the CPU default when
-    llama-cpp-python is installed), ``"transformers"``, or ``None``/``"auto"``."""
-    member_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra arguments of :func:`specem_core.registry.load_member` (``device``, ``dtype``, ``n_ctx``…)."""
-    api_key: SecretStr | None = None
-    """The API key of the members that are servers (``openai:`` / ``judge:`` specs); local members
-    have none. Never shown in repr, logs or errors."""
-    member_weights: Any = None
-    """Verifier weights learned across requests: a :class:`specem_core.weights.MemberWeights`
-    or the path of its JSON state file (loaded if it exists, created from the preset's prior
-    otherwise, saved after each request); ``False``: none (the paper's per-request weights).
-    ``None``: the preset's prior (none for members of your own). ``MemberWeights(prior,
-    min_share=0.1)`` also keeps members it has learned not to trust out of a request."""
     engine: Any = Field(default=None, exclude=True, repr=False)
     """A ready :class:`specem_core.SpecEM` to use instead of building one from ``members``
     (share one engine between several chat models, or inject one in tests)."""
 
-    # -- the options a user tunes: every specem_core.config.USER_OPTIONS (None: the preset's) ------
-    max_tokens: int | None = None
-    """Cap on the answer, in the first member's tokens (``SpecEMConfig.max_new_tokens``)."""
-    temperature: float | None = None
-    """Drafting temperature in [0, 2] (0 = greedy, deterministic)."""
-    top_p: float | None = None
-    """Nucleus sampling mass while drafting."""
-    top_k: int | None = None
-    """Top-k filter while drafting (0: off)."""
-    repetition_penalty: float | None = None
-    """HF-style repetition penalty while drafting (1.0: off)."""
-    seed: int | None = None
-    """Seed of sampled drafting."""
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    """Stop strings: the answer ends before the first one."""
-    segment_len: int | None = None
-    """Tokens each member drafts per round (paper: 10)."""
-    segment_boundary: Literal["tokens", "line"] | None = None
-    """``"line"``: a draft also ends at its first line end (whole lines of code are voted on)."""
-    scoring: Literal["mean_logit", "mean_logprob"] | None = None
-    """How a verifier scores a candidate: mean raw logit (the paper) or mean log-prob."""
-    normalization: Literal["sum", "softmax"] | None = None
-    """How a verifier's scores are normalized over the candidates."""
-    hedge: bool | None = None
-    """Learn verifier weights within a request (Hedge; on by default)."""
-    vote_on_stop: bool | None = None
-    """Verifiers also score each finished candidate's end-of-turn token (on by default)."""
-    reuse_other_drafts: bool | None = None
-    """Members on one device draft in turn, continuing from earlier candidates where they agree."""
-    model_exit: bool | None = None
-    """Model Exit: members that keep losing stop drafting."""
-    model_exit_temperature: float | None = None
-    """Model Exit's τ."""
-    model_exit_agreement_rounds: int | None = None
-    """Model Exit also stops a drafter that agreed with the kept member this many rounds running."""
-    trusted_opening_rounds: int | None = None
-    """The first N rounds are drafted by the trusted member alone (needs member weights)."""
-    trusted_veto: bool | None = None
-    """Another member's segment wins only if the trusted member scores it at least as high as its own."""
-    trusted_tool_calls: bool | None = None
-    """The trusted member writes the rest of a tool call the answer started."""
-    unanimous_tool_calls: bool | None = None
-    """An answer opens with a tool call only when every drafter's opening does."""
-    reproduce_paper: bool | None = None
-    """Reproduce the authors' decisions exactly."""
-    max_retries: int | None = None
-    """Retries of a failing member call before the member is dropped from the request
-    (``SpecEMConfig.member_retries``). Can also be given per call."""
-    parallel: bool | None = None
-    """Run members concurrently (``None``: only members on different devices or servers)."""
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Any :class:`specem_core.SpecEMConfig` option, the study's (:class:`specem_core.config.StudyOptions`)
-    included; the fields above win over it. Every option and its meaning: the configuration guide."""
-
-    timeout: float | None = None
-    """Seconds a request may take; checked as each segment is committed (``TimeoutError``).
-    Can also be given per call."""
+    # The ensemble (preset, members, backend, member_kwargs, api_key, member_weights,
+    # engine_options, timeout) and every option a user tunes (max_tokens, temperature, stop, …,
+    # max_retries: specem_core.config.USER_OPTIONS) are EnsembleFields, declared once for every
+    # surface in specem_integrations/_options.py, with their docs.
     streaming: bool = False
     """Generate through :meth:`stream` even for :meth:`invoke` (callbacks see each segment)."""
 
@@ -221,12 +138,8 @@ class ChatSpecEM(BaseChatModel):
         """Aliases become the field they mean; an unknown argument fails with the closest names."""
         if not isinstance(values, dict):
             return values
-        values = with_field_names(values, _FIELD_ALIASES, where="ChatSpecEM")
-        if any(key in _OLD_FIELDS for key in values):
-            values = current_names(values, where="ChatSpecEM")
         known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-        check_known(values, [*known, *_FIELD_ALIASES], where="ChatSpecEM")
-        return values
+        return surface_arguments(values, where="ChatSpecEM", known=known)
 
     @field_validator("members", mode="before")
     @classmethod
@@ -261,8 +174,7 @@ class ChatSpecEM(BaseChatModel):
             check_model_name(self.model_name, self.preset, where="ChatSpecEM")
         if self.engine is not None and (self.preset is not None or self.members is not None):
             raise ValueError("ChatSpecEM: engine= is a ready ensemble; it takes no preset= or members=")
-        config_fields(self.engine_options, where="ChatSpecEM engine_options")
-        config_of(self._preset(), **self._overrides({}, None))  # raises ConfigError (a ValueError)
+        self.check_config(self._preset(), where="ChatSpecEM")  # raises ConfigError (a ValueError)
         return self
 
     def _preset(self) -> Preset | None:
@@ -285,7 +197,7 @@ class ChatSpecEM(BaseChatModel):
         if self.members is None:
             preset = self._preset()
             return list(preset.members) if preset is not None else []
-        return [os.fspath(m) if isinstance(m, str | os.PathLike) else str(m.name) for m in self.members]
+        return [member_spec_text(m) for m in self.members]
 
     @property
     def reported_name(self) -> str:
@@ -298,7 +210,7 @@ class ChatSpecEM(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"model_name": self.reported_name, "members": self.member_names}
-        params.update({k: getattr(self, k) for k in ("max_tokens", *_KNOBS) if getattr(self, k) is not None})
+        params.update({k: getattr(self, k) for k in OPTION_FIELDS if getattr(self, k) is not None})
         params.update(self.engine_options)
         return params
 
@@ -331,37 +243,16 @@ class ChatSpecEM(BaseChatModel):
             return self._engine
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.engine import SpecEM
-
-        # the settings go per request (_overrides); the engine carries the preset's and the prior
-        return SpecEM.from_preset(
-            self._preset(),
-            members=self.members,
-            weights=self.member_weights,
-            backend=self.backend,
-            member_kwargs=self.member_kwargs,
-            api_key=self.api_key,
-        )
+        return self.assemble_engine(self._preset())
 
     def _overrides(self, kwargs: Mapping[str, Any], stop: list[str] | None) -> dict[str, Any]:
-        """SpecEMConfig overrides of one request: the fields, then the per-call arguments."""
-        out = config_fields(self.engine_options, where="ChatSpecEM engine_options")
-        out.update({k: getattr(self, k) for k in _KNOBS if getattr(self, k) is not None})
-        out.update(config_fields({name: getattr(self, name) for name in _FIELD_ALIASES.values()}, where="ChatSpecEM"))
-        stops = stop if stop is not None else self.stop
-        if stops is not None:
-            out["stop"] = tuple(stops)
-        call: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if key in _REQUEST_KEYS or key in _IGNORED_KEYS or key in ("timeout", "model"):
-                continue
-            if key in _FIXED_PER_INSTANCE:
-                raise ValueError(
-                    f"ChatSpecEM: {key} chooses the ensemble and is set on the instance, not per call "
-                    f"(ChatSpecEM({key}=...))"
-                )
-            call[key] = value
-        out.update(config_fields(call, where="ChatSpecEM call", extra=[*_REQUEST_KEYS, "timeout"]))
+        """SpecEMConfig overrides of one request: ``engine_options``, the fields, then the
+        per-call arguments (``stop`` as LangChain passes it)."""
+        out = self.config_overrides(
+            kwargs, where="ChatSpecEM", ignored=[*_REQUEST_KEYS, *_IGNORED_KEYS, "timeout", "model"]
+        )
+        if stop is not None:
+            out["stop"] = tuple(stop)
         return out
 
     def _request(
@@ -566,8 +457,3 @@ class ChatSpecEM(BaseChatModel):
         parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
         with_fallback = parser_assign.with_fallbacks([parser_none], exception_key="parsing_error")
         return RunnableMap(raw=llm) | with_fallback
-
-
-_KNOBS = tuple(name for name in USER_OPTIONS if name in ChatSpecEM.model_fields)
-"""ChatSpecEM fields that are :class:`SpecEMConfig` options of the same name (derived: every user
-option is a field, under its own name or its LangChain spelling in :data:`_FIELD_ALIASES`)."""

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import (
     achat_to_completion_decorator,
@@ -28,18 +27,18 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, SecretStr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from specem_core.config import RENAMED, USER_OPTIONS, current_names, option_docs
 from specem_core.deadline import awithin, timeout_of, within
 from specem_core.errors import ConfigError, InputError
 from specem_core.presets import Preset, check_model_name, config_of, resolve
 from specem_core.types import validate_messages
-from specem_core.vocabulary import check_known, config_fields, surface_names, with_field_names
+from specem_core.vocabulary import with_field_names
+from specem_integrations._options import EnsembleFields, surface_arguments
 from specem_integrations.llamaindex._convert import (
     new_tool_call_id,
     resolve_tool_choice,
@@ -56,21 +55,6 @@ if TYPE_CHECKING:
 
 _IGNORED_KWARGS = frozenset({"formatted", "verbose"})
 """Keyword arguments LlamaIndex passes along that mean nothing to a local ensemble."""
-_SURFACE_NAMES = surface_names(["max_tokens", "max_retries"])
-"""SpecEMLLM's fields named as LlamaIndex names them, by the SpecEMConfig field they set."""
-_FIELD_ALIASES = {**_SURFACE_NAMES, "stop_sequences": "stop", "model_name": "model"}
-"""SpecEMConfig / older spellings accepted for SpecEMLLM's fields (LlamaIndex's names win)."""
-_OLD_FIELDS = {old: new for old, new in RENAMED.items() if new in USER_OPTIONS}
-"""Field names of 0.1 (``faithful``, ``eos_voting``, …), accepted with a ``FutureWarning`` until 0.3."""
-
-
-def _doc(option: str) -> str:
-    """The first line of a :class:`SpecEMConfig` option's docstring, as the field's description."""
-    return option_docs().get(option, "").split("\n\n")[0].replace("\n", " ") or f"SpecEMConfig.{option}"
-
-
-_FIXED_PER_INSTANCE = frozenset({"members", "preset", "model", "engine", "engine_options", "backend", "member_kwargs"})
-"""Arguments that choose the ensemble: set on the instance, never per call."""
 
 
 def _check_members(value: Any) -> None:
@@ -87,7 +71,7 @@ def _check_members(value: Any) -> None:
             )
 
 
-class SpecEMLLM(FunctionCallingLLM):
+class SpecEMLLM(FunctionCallingLLM, EnsembleFields):
     """A SpecEM ensemble (several LLMs voting segment by segment) as a LlamaIndex LLM.
 
     Use it wherever LlamaIndex takes an LLM: ``Settings.llm``, query and chat engines,
@@ -117,97 +101,15 @@ class SpecEMLLM(FunctionCallingLLM):
             "(model_name is accepted too). Default: 'specem:' + the member names. Any other value is an error."
         ),
     )
-    preset: str | None = Field(
-        default=None,
-        description=(
-            "A named, measured configuration ('quality', 'fast', 'paper': see `specem presets`): members, "
-            "settings and member-weights prior. None with no members: the default preset. The other fields "
-            "override the preset's."
-        ),
-    )
-    members: list[Any] | None = Field(
-        default=None,
-        description=(
-            "The ensemble: default model names, local directories, .gguf files, HF ids, servers "
-            "(openai:URL#model) or ready specem_core Member objects. None: the preset's members."
-        ),
-    )
-    backend: Literal["auto", "transformers", "llamacpp"] | None = Field(
-        default=None,
-        description=(
-            "Backend of the members given by name: 'llamacpp' (GGUF in process, the CPU default when "
-            "llama-cpp-python is installed), 'transformers', or None/'auto'."
-        ),
-    )
-    member_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Extra arguments of specem_core.registry.load_member (device, dtype, n_ctx, ...).",
-    )
-    api_key: SecretStr | None = Field(
-        default=None,
-        description=(
-            "The API key of the members that are servers (openai:/judge: specs); local members have none. "
-            "Never shown in repr, logs or errors."
-        ),
-    )
-    member_weights: Any = Field(
-        default=None,
-        description=(
-            "Verifier weights learned across requests: a specem_core.weights.MemberWeights or the path of "
-            "its JSON state file (loaded if it exists, created from the preset's prior otherwise, saved after "
-            "each request); False: none. None: the preset's prior (none for members of your own)."
-        ),
-    )
-    max_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        description=(
-            "Response cap in the first member's tokens (SpecEMConfig.max_new_tokens, also accepted under that "
-            "name; None: the preset's; reported as num_output)."
-        ),
-    )
-    temperature: float | None = Field(default=None, ge=0.0, description=_doc("temperature"))
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=_doc("top_p"))
-    top_k: int | None = Field(default=None, ge=0, description=_doc("top_k"))
-    repetition_penalty: float | None = Field(default=None, gt=0.0, description=_doc("repetition_penalty"))
-    seed: int | None = Field(default=None, description=_doc("seed"))
-    stop: list[str] | None = Field(default=None, description=_doc("stop"))
-    segment_len: int | None = Field(default=None, gt=0, description=_doc("segment_len"))
-    segment_boundary: Literal["tokens", "line"] | None = Field(default=None, description=_doc("segment_boundary"))
-    scoring: Literal["mean_logit", "mean_logprob"] | None = Field(default=None, description=_doc("scoring"))
-    normalization: Literal["sum", "softmax"] | None = Field(default=None, description=_doc("normalization"))
-    hedge: bool | None = Field(default=None, description=_doc("hedge"))
-    vote_on_stop: bool | None = Field(default=None, description=_doc("vote_on_stop"))
-    reuse_other_drafts: bool | None = Field(default=None, description=_doc("reuse_other_drafts"))
-    model_exit: bool | None = Field(default=None, description=_doc("model_exit"))
-    model_exit_temperature: float | None = Field(default=None, gt=0.0, description=_doc("model_exit_temperature"))
-    model_exit_agreement_rounds: int | None = Field(default=None, ge=0, description=_doc("model_exit_agreement_rounds"))
-    trusted_opening_rounds: int | None = Field(default=None, ge=0, description=_doc("trusted_opening_rounds"))
-    trusted_veto: bool | None = Field(default=None, description=_doc("trusted_veto"))
-    trusted_tool_calls: bool | None = Field(default=None, description=_doc("trusted_tool_calls"))
-    unanimous_tool_calls: bool | None = Field(default=None, description=_doc("unanimous_tool_calls"))
-    reproduce_paper: bool | None = Field(default=None, description=_doc("reproduce_paper"))
-    parallel: bool | None = Field(default=None, description=_doc("parallel"))
-    timeout: float | None = Field(
-        default=None, gt=0.0, description="Seconds a request may take (checked per committed segment; per call too)."
-    )
-    max_retries: int | None = Field(
-        default=None,
-        ge=0,
-        description="Retries of a failing member call before it is dropped (SpecEMConfig.member_retries).",
-    )
     context_window: int | None = Field(
         default=None,
         gt=0,
         description="Override of the context window (default: the smallest member's).",
     )
-    engine_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description=(
-            "Any SpecEMConfig option, the study's (specem_core.config.StudyOptions) included, for every "
-            "request; the fields above win over it."
-        ),
-    )
+    # The ensemble (preset, members, backend, member_kwargs, api_key, member_weights,
+    # engine_options, timeout) and every option a user tunes (max_tokens, temperature, stop, …,
+    # max_retries: specem_core.config.USER_OPTIONS) are EnsembleFields, declared once for every
+    # surface in specem_integrations/_options.py, with their docs.
 
     _engine: Any = PrivateAttr(default=None)
     _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -225,10 +127,11 @@ class SpecEMLLM(FunctionCallingLLM):
             ConfigError: an unknown argument (with the closest names), an unknown preset, a
                 ``model`` that names no preset, or an invalid setting.
         """
-        kwargs = with_field_names(kwargs, _FIELD_ALIASES, where="SpecEMLLM")
-        if any(key in _OLD_FIELDS for key in kwargs):
-            kwargs = current_names(kwargs, where="SpecEMLLM")
-        check_known(kwargs, [*type(self).model_fields, *_FIELD_ALIASES], where="SpecEMLLM")
+        kwargs = surface_arguments(
+            with_field_names(kwargs, {"model_name": "model"}, where="SpecEMLLM"),
+            where="SpecEMLLM",
+            known=type(self).model_fields,
+        )
         members = kwargs.get("members")
         if members is not None:
             _check_members(members)
@@ -240,7 +143,6 @@ class SpecEMLLM(FunctionCallingLLM):
         self._engine = engine
         if engine is None:  # with engine=, model is the name that engine is reported under
             check_model_name(self.model, self.preset, where="SpecEMLLM")
-        config_fields(self.engine_options, where="SpecEMLLM engine_options")
         self._config_overrides({})  # every setting checked now, not at the first request
 
     def _preset(self) -> Preset | None:
@@ -272,36 +174,13 @@ class SpecEMLLM(FunctionCallingLLM):
         return self._engine is not None
 
     def _build_engine(self) -> SpecEM:
-        from specem_core.engine import SpecEM
-
-        # the settings go per request (_config_overrides); the engine carries the preset's and the prior
-        return SpecEM.from_preset(
-            self._preset(),
-            members=self.members,
-            weights=self.member_weights,
-            backend=self.backend,
-            member_kwargs=self.member_kwargs,
-            api_key=self.api_key,
-        )
+        return self.assemble_engine(self._preset())
 
     def _config_overrides(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """SpecEM config for one request: engine_options < the LLM's fields < call kwargs."""
-        overrides = config_fields(self.engine_options, where="SpecEMLLM engine_options")
-        for name in _knobs():
-            value = getattr(self, name)
-            if value is not None:
-                overrides[name] = value
-        overrides.update(
-            config_fields({name: getattr(self, name) for name in _SURFACE_NAMES.values()}, where="SpecEMLLM")
+        overrides = self.config_overrides(
+            kwargs, where="SpecEMLLM", ignored=[*_IGNORED_KWARGS, "timeout"], extra=["tools", "tool_choice"]
         )
-        call = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS and k != "timeout"}
-        for key in call:
-            if key in _FIXED_PER_INSTANCE:
-                raise ConfigError(
-                    f"SpecEMLLM: {key} chooses the ensemble and is set on the instance, not per call "
-                    f"(SpecEMLLM({key}=...))"
-                )
-        overrides.update(config_fields(call, where="SpecEMLLM call", extra=["timeout", "tools", "tool_choice"]))
         # Fail here, with the option's name, rather than deep inside the engine.
         self._validate_config(overrides)
         return overrides
@@ -604,10 +483,3 @@ def force_single_tool_call(response: ChatResponse) -> ChatResponse:
         update={"blocks": [b for b in blocks if not isinstance(b, ToolCallBlock) or b is keep]}
     )
     return response.model_copy(update={"message": message})
-
-
-@functools.cache
-def _knobs() -> tuple[str, ...]:
-    """SpecEMLLM fields that are :class:`SpecEMConfig` options of the same name (derived: every user
-    option is a field, under its own name or its LlamaIndex spelling in :data:`_SURFACE_NAMES`)."""
-    return tuple(name for name in USER_OPTIONS if name in SpecEMLLM.model_fields)

@@ -20,6 +20,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from specem_core import __version__
+from specem_core.backends.base import Breaker
 from specem_core.types import GenerationResult
 
 OUTCOMES = ("completed", "invalid", "failed", "cancelled", "timed_out", "rejected")
@@ -49,9 +50,9 @@ class LiveState:
     engine_workers: int
     ready: bool
     draining: bool
-    breakers: list[tuple[str, Any]] = field(default_factory=list)
-    """``(member, breaker)`` for members reached over HTTP (a
-    :class:`~specem_core.backends.http.client.CircuitBreaker`: ``key``, ``state``, ``opened``,
+    breakers: list[tuple[str, Breaker]] = field(default_factory=list)
+    """``(member, breaker)`` for members reached over HTTP
+    (:class:`~specem_core.backends.base.BreakerMember`: ``key``, ``state``, ``opened``,
     ``rejected``); local members have none."""
     weights: Mapping[str, float] = field(default_factory=dict)
     """The member weights' current normalized values (empty without member weights)."""
@@ -94,7 +95,7 @@ class _LiveCollector(Collector):
             yield from _breaker_metrics(live.breakers)
 
 
-def _breaker_metrics(breakers: Sequence[tuple[str, Any]]) -> Iterator[Metric]:
+def _breaker_metrics(breakers: Sequence[tuple[str, Breaker]]) -> Iterator[Metric]:
     state = GaugeMetricFamily(
         "specem_member_breaker_state",
         "Circuit breaker of a member's server: 1 on the state it is in (closed, half_open, open), 0 on the others.",

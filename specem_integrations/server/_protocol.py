@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
 from specem_core.config import (
     MAX_TEMPERATURE,
@@ -25,13 +25,12 @@ from specem_core.config import (
     RENAMED,
     SpecEMConfig,
     current_names,
-    option_docs,
-    option_types,
 )
 from specem_core.errors import ConfigError, InputError
 from specem_core.tools import OutputPlan, normalize_tool_choice, normalize_tools
 from specem_core.types import GenerationResult, ToolCall, validate_messages
 from specem_core.vocabulary import ALIASES, OPENAI_ALIASES
+from specem_integrations._options import request_field_definitions
 from specem_integrations.server._errors import APIError, invalid_request
 
 _log = logging.getLogger("specem.server")
@@ -122,10 +121,7 @@ else:
         __base__=_SpecEMOptionsBase,
         __module__=__name__,
         __doc__=_SpecEMOptionsBase.__doc__,
-        **{
-            name: (option_types()[name] | None, Field(default=None, description=option_docs().get(name)))
-            for name in REQUEST_FIELDS
-        },
+        **request_field_definitions(REQUEST_FIELDS),
     )
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+from specem_core.backends.base import Member, ProbingMember
 
 logger = logging.getLogger("specem.server")
 
@@ -27,22 +28,22 @@ class Readiness:
     """Probes the members once, in the background, and says whether the app is ready.
 
     Args:
-        members: the engine's members (a member with a ``probe()`` method is probed).
+        members: the engine's members (a :class:`~specem_core.backends.base.ProbingMember` is probed).
     """
 
-    def __init__(self, members: Sequence[Any]) -> None:
+    def __init__(self, members: Sequence[Member]) -> None:
         self._members = list(members)
         self._lock = threading.Lock()
         self._status: dict[str, str] = {}
         """Per member: ``ok``, ``probing`` or the last probe's error (one line)."""
-        self._drafters = {m.name for m in self._members if getattr(m, "can_draft", True)}
+        self._drafters = {m.name for m in self._members if m.can_draft}
         self._probed = False
         self.draining = False
         """Set when shutdown begins: ``/health/ready`` answers 503 from then on."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for member in self._members:
-            self._status[member.name] = "probing" if callable(getattr(member, "probe", None)) else "ok"
+            self._status[member.name] = "probing" if isinstance(member, ProbingMember) else "ok"
         if all(status == "ok" for status in self._status.values()):
             self._probed = True
 
@@ -92,8 +93,8 @@ class Readiness:
         delay = _FIRST_RETRY
         while not self._stop.is_set():
             for member in self._members:
-                if self._status_of(member.name) != "ok" and callable(getattr(member, "probe", None)):
-                    self._probe(member.name, member.probe)
+                if isinstance(member, ProbingMember) and self._status_of(member.name) != "ok":
+                    self._probe(member.name, member)
             with self._lock:
                 usable = any(self._status[name] == "ok" for name in self._drafters)
                 if usable or not self._drafters:
@@ -116,9 +117,9 @@ class Readiness:
         with self._lock:
             return self._status[name]
 
-    def _probe(self, name: str, probe: Callable[[], Any]) -> None:
+    def _probe(self, name: str, member: ProbingMember) -> None:
         try:
-            probe()
+            member.probe()
         except Exception as exc:
             lines = str(exc).strip().splitlines()
             status = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

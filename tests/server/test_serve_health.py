@@ -9,6 +9,7 @@ OpenAI-compatible fake answers). The real-process checks use the session's ``spe
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_openai_server import CHATML, FakeServer
-from serve_process import SERVER_KEY, ServeProcess
+from serve_process import SERVER_KEY, ServeProcess, serving
 
 from specem_core import SpecEM, SpecEMConfig
 
@@ -174,3 +175,46 @@ def test_a_real_server_answers_its_probes_without_the_key(auth_server: ServeProc
     scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {SERVER_KEY}"}, timeout=30)
     assert scraped.status_code == 200
     assert "specem_ready 1.0" in scraped.text
+
+
+def test_sigterm_makes_a_real_server_draining_while_its_answer_finishes() -> None:
+    """The wiring from the signal to readiness in a real ``specem serve`` process: from the
+    SIGTERM on, ``/health/ready`` never answers 200 again: 503 ``draining`` until uvicorn notices
+    the signal (it checks every 0.1 s), then the connection is refused (uvicorn stops accepting,
+    docs/guides/deploying.md). The answer in flight still finishes whole, and the process exits 0.
+    The probes go over a keep-alive connection opened before the signal, so that the first one
+    reaches the server at once, inside that window."""
+    with serving(["--model", "smollm2", "--graceful-timeout", "240", "--no-access-log"], exit_probe=True) as server:
+        body = {
+            "model": "specem",
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon and a knight."}],
+            "max_tokens": 40,
+            "stream": True,
+            "specem": {"ignore_eos": True},
+        }
+        with httpx.Client(timeout=10) as probe:
+            assert probe.get(f"{server.url}/health/ready").status_code == 200
+            with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body, timeout=300) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                server.process.send_signal(signal.SIGTERM)  # shutdown starts while the answer streams
+                seen: list[tuple[int, str]] = []
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    try:
+                        ready = probe.get(f"{server.url}/health/ready")
+                    except httpx.ConnectError:  # no longer accepting connections
+                        break
+                    except httpx.TransportError:  # the kept-alive connection was closed: reconnect
+                        continue
+                    seen.append((ready.status_code, ready.json()["status"]))
+                else:
+                    pytest.fail(f"new connections were still accepted 30 s after SIGTERM: {seen[-3:]}")
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert seen, "no readiness answer between the signal and the refused connections"
+        assert set(seen) == {(503, "draining")}, seen
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in rest[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        server.check_clean_exit(server.process.wait(timeout=300))

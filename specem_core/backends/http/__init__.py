@@ -13,15 +13,20 @@ import contract keep it so):
 * :mod:`~specem_core.backends.http.judge_prompt` — the judge verify mode's prompt, options
   (:class:`~specem_core.backends.http.judge_prompt.JudgeOptions`) and label probabilities.
 * :mod:`~specem_core.backends.http.probe` — what probing a server decides
-  (:class:`~specem_core.backends.http.probe.ServerCapabilities`, the draft and verify modes).
+  (:class:`~specem_core.backends.http.probe.ServerCapabilities`, the draft and verify modes, the
+  scoring paths); the requests that decide it are :mod:`~specem_core.backends.http.probing`'s.
 * :mod:`~specem_core.backends.http.continuation` — continuing an answer through a chat API that
   cannot prefill (the continue-prompt and the splice).
 * :mod:`~specem_core.backends.http.tokenizer` — the member's optional local tokenizer.
 * :mod:`~specem_core.backends.http.interface` — what a session needs of its member (a protocol)
   and the member's counters.
 * :mod:`~specem_core.backends.http.judge_scoring` — the judge verify mode's round.
+* :mod:`~specem_core.backends.http.token_scoring` — exact scoring that reads the server's prefix
+  cache (the ``prompt_tail``, ``next_token`` and ``forced`` scoring paths).
 * :mod:`~specem_core.backends.http.session` — one request: drafting in the member's draft mode,
   scoring with exact log-probs or the judge.
+* :mod:`~specem_core.backends.http.probing` — the probe's requests, asked through the member's
+  protocol the way drafting and scoring will ask.
 * :mod:`~specem_core.backends.http.member` — :class:`~specem_core.backends.http.member.OpenAIHTTPMember`:
   configuration, probing requests, request bodies in the server's dialect.
 * :mod:`~specem_core.backends.http.judge` — :class:`~specem_core.backends.http.judge.APIJudgeMember`:

@@ -75,7 +75,15 @@ from pydantic import SecretStr
 
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.http import probing
-from specem_core.backends.http.client import BreakerPolicy, OpenAIClient, RetryPolicy, log, run_async, run_sync
+from specem_core.backends.http.client import (
+    BreakerPolicy,
+    CircuitBreaker,
+    OpenAIClient,
+    RetryPolicy,
+    log,
+    run_async,
+    run_sync,
+)
 from specem_core.backends.http.errors import CapabilityError, HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats
 from specem_core.backends.http.judge_prompt import JudgeOptions
@@ -248,6 +256,11 @@ class OpenAIHTTPMember:
         """One key per server: members on different servers run concurrently."""
         parts = urlsplit(self.base_url)
         return f"http:{parts.netloc}{parts.path}"
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The circuit breaker of this member's server (:class:`~specem_core.backends.base.BreakerMember`)."""
+        return self.client.breaker
 
     @property
     def capabilities(self) -> ServerCapabilities | None:

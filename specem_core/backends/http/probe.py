@@ -1,4 +1,7 @@
-"""Probing a server: what it supports, decided from a few requests before the first draft.
+"""What probing a server decides (its result, no requests): capabilities, modes, scoring paths.
+
+Probing is done from a few requests before the first draft; the requests themselves are
+:mod:`specem_core.backends.http.probing`'s.
 
 :class:`ServerCapabilities` is what :meth:`~specem_core.backends.http.member.OpenAIHTTPMember.probe`
 finds: the server software (from ``/v1/models``), echo log-probs and whether they are shifted by

@@ -1,4 +1,6 @@
-"""The probe's requests: what a server supports, asked the way drafting and scoring will ask.
+"""The probe's requests (the asking; :mod:`~specem_core.backends.http.probe` holds what they decide).
+
+They ask what a server supports the way drafting and scoring will ask.
 
 :meth:`OpenAIHTTPMember.probe <specem_core.backends.http.member.OpenAIHTTPMember.probe>` reads
 ``/v1/models`` and runs these on the member's own prompt format; what they find is a

@@ -29,9 +29,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from specem_core.backends._local import LocalSession, consistent, mean_score, plan_scores
+from specem_core.backends._local import LocalMember, LocalSession, consistent, mean_score, plan_scores
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.llama_cpp._binding import (
     BALLAST,
@@ -43,6 +43,7 @@ from specem_core.backends.llama_cpp._binding import (
     incomplete_utf8,
     logsumexp,
 )
+from specem_core.backends.llama_cpp.model import LlamaCppModel
 from specem_core.types import Candidate, CandidateScore, Draft
 
 
@@ -79,10 +80,23 @@ class _Scratch:
     """The session's draft continued past these cells: they lie below its newest cell."""
 
 
+class LlamaCppSessionMember(LocalMember, Protocol):
+    """What a :class:`LlamaCppSession` needs of its member (a
+    :class:`~specem_core.backends.llama_cpp.member.LlamaCppMember`, which imports this module):
+    the model (its contexts and prefix cache), the end-of-turn token and byte decoding."""
+
+    model: LlamaCppModel
+    eot_id: int
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
+
+
 class LlamaCppSession(LocalSession):
     """One request's state in a :class:`LlamaCppMember` (see the module docstring)."""
 
-    def __init__(self, member: Any, request: SessionRequest) -> None:
+    _m: LlamaCppSessionMember
+
+    def __init__(self, member: LlamaCppSessionMember, request: SessionRequest) -> None:
         import numpy as np
 
         self._m = member

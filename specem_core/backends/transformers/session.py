@@ -27,11 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from specem_core.backends._local import LocalSession, consistent
+from specem_core.backends._batching import DeviceQueue, Step
+from specem_core.backends._local import LocalMember, LocalSession, consistent
+from specem_core.backends._prefix_cache import PrefixStore
 from specem_core.backends.base import SamplingParams, SessionRequest
-from specem_core.backends.transformers.batched import Block, ScoreJob
+from specem_core.backends.transformers.batched import BatchSession, Block, ScoreJob
 from specem_core.types import Candidate, CandidateScore, Draft
 
 if TYPE_CHECKING:
@@ -61,10 +63,34 @@ class _ScorePass:
     rows: dict[str, _Row] = field(default_factory=dict)
 
 
+class TransformersSessionMember(LocalMember, Protocol):
+    """What a :class:`TransformersSession` needs of its member (a
+    :class:`~specem_core.backends.transformers.member.TransformersMember`, which imports this
+    module): the model, its device and tokenizer, the prefix cache and the batched passes."""
+
+    model: Any
+    device: Any
+    cache_arg: str
+    tokenizer: Any
+    prefix_cache: bool
+    prefixes: PrefixStore[list[tuple[Any, Any]]]
+    eot_id: int
+    stop_ids_in_vocab: list[int]
+
+    def queue(self) -> DeviceQueue | None: ...
+    def submit(self, queue: DeviceQueue, kind: str, payload: Any, run: Any) -> Any: ...
+    def prefill_steps(self, steps: Sequence[Step[BatchSession]]) -> list[Any]: ...
+    def decode_rows(self, steps: Sequence[Step[tuple[BatchSession, int]]]) -> list[Any]: ...
+    def score_steps(self, steps: Sequence[Step[ScoreJob]]) -> list[Block]: ...
+    def score_blocks(self, jobs: Sequence[ScoreJob]) -> list[Block]: ...
+
+
 class TransformersSession(LocalSession):
     """One request's state in a :class:`TransformersMember` (see the module docstring)."""
 
-    def __init__(self, member: Any, request: SessionRequest) -> None:
+    _m: TransformersSessionMember
+
+    def __init__(self, member: TransformersSessionMember, request: SessionRequest) -> None:
         import torch
         from transformers import DynamicCache
 
