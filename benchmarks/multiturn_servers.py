@@ -295,7 +295,7 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
         member.probe()
     calls.take()
     overrides: dict[str, Any] = {"max_new_tokens": args.max_tokens, "segment_len": args.segment_len}
-    prior = get_preset("quality").weights()
+    prior = get_preset("quality").member_weights()
     if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
         overrides["weights"] = prior  # the quality pair: its shipped prior, whose names the members carry
     engine = SpecEM.from_preset("quality", members=members, **overrides)

@@ -189,7 +189,7 @@ def run(cases: dict[str, dict[str, Any]], real: bool) -> dict[str, Any]:
                 if case.get("prior"):
                     weights = MemberWeights({"smol": 2.0, "qwen": 1.0}, min_share=case.get("min_share", 0.0))
                 config = SpecEMConfig(**_config({"max_new_tokens": 24, "segment_len": 4, **case.get("config", {})}))
-                engine = SpecEM(_tiny_members(bool(case.get("verifier"))), config, weights=weights)
+                engine = SpecEM(_tiny_members(bool(case.get("verifier"))), config, member_weights=weights)
             records[f"{name}/{n}"] = _run(engine, prompt, case)
             print(f"{name}/{n}: {records[f'{name}/{n}']['text']!r}", flush=True)
     return records

@@ -124,9 +124,9 @@ QUICKSTART = [
         "print('better / worse / sign test p:', calibration.paired(calibration.best, calibration.runner_up))\n"
         "# the recommended settings (the quality preset's: trusted opening, Model Exit, softmax rows) with this prior\n"
         "recommended = SpecEMConfig(**{**get_preset('quality').config, 'max_new_tokens': 48})\n"
-        "calibrated = SpecEM(members[:2], recommended, weights=calibration.weights(min_share=0.1))\n"
+        "calibrated = SpecEM(members[:2], recommended, member_weights=calibration.member_weights(min_share=0.1))\n"
         "print(calibrated.generate('What is 14 + 27? Reply with the number only.').text)\n"
-        "calibrated.weights.current()"
+        "calibrated.member_weights.current()"
     ),
     new_markdown_cell("## Streaming: one event per committed segment"),
     new_code_cell(

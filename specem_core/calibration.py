@@ -14,7 +14,7 @@ it, so an application can serve the ensemble the way the study did:
     >>> calibration.prior
     {'qwen2.5-coder-1.5b-instruct': 61.0, 'qwen2.5-coder-0.5b-instruct': 36.0}
     >>> engine = SpecEM(members, SpecEMConfig(normalization="softmax", model_exit=True),
-    ...                 weights=calibration.weights(min_share=0.1))
+    ...                 member_weights=calibration.member_weights(min_share=0.1))
 
 Every member answers every example with plain greedy decoding (a one-member engine: its own
 chat template, no votes), one member after another. An example a member fails on (an error
@@ -36,6 +36,7 @@ import json
 import math
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -174,12 +175,21 @@ class Calibration:
         worse = sum(grades[(a, i)] < grades[(b, i)] for i in examples)
         return better, worse, sign_test(better, worse)
 
-    def weights(self, **options: float) -> MemberWeights:
+    def member_weights(self, **options: float) -> MemberWeights:
         """A new :class:`~specem_core.weights.MemberWeights` with this prior (``options``:
         ``learning_rate``, ``max_log_ratio``, ``min_share``)."""
         from specem_core.weights import MemberWeights
 
         return MemberWeights(self.prior, **options)
+
+    def weights(self, **options: float) -> MemberWeights:
+        """Deprecated (until 0.3): :meth:`member_weights`."""
+        warnings.warn(
+            "Calibration.weights() is now Calibration.member_weights(); the old name stops working in 0.3",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.member_weights(**options)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view (scores, prior and records)."""

@@ -341,6 +341,25 @@ def current_names(options: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     return out
 
 
+def renamed_argument(new_value: Any, old_value: Any, *, where: str, new: str, old: str) -> Any:
+    """The value of an argument renamed in 0.2 (``weights=`` -> ``member_weights=``): the new
+    name's, else the old name's with a ``FutureWarning`` (the old name works until 0.3).
+
+    Raises:
+        ConfigError: the argument given under both names.
+    """
+    if old_value is None:
+        return new_value
+    warnings.warn(
+        f"{where}: the argument {old!r} is now called {new!r}; the old name stops working in 0.3",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if new_value is not None:
+        raise ConfigError(f"{where}: {new} given twice (as {new} and as its old name {old})")
+    return old_value
+
+
 def _accepts_old_names(cls: type[SpecEMConfig]) -> type[SpecEMConfig]:
     """``SpecEMConfig(faithful=True)`` (a name of 0.1) still works, with a warning."""
     init: Callable[..., None] = cls.__init__

@@ -13,12 +13,13 @@ import contextlib
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from specem_core.backends.base import Member, SettlingMember
-from specem_core.config import SpecEMConfig
+from specem_core.config import SpecEMConfig, renamed_argument
 from specem_core.errors import ConfigError
 from specem_core.loop import CandidateFilter, Run
 from specem_core.observers import MemberObserver, Observers
@@ -71,7 +72,7 @@ class SpecEM:
     The engine is safe to share between threads: members hold only read-only weights and every
     request gets its own sessions.
 
-    Member weights (verifier weights learned across requests) are opt-in: pass ``weights=MemberWeights(...)``, or
+    Member weights (verifier weights learned across requests) are opt-in: pass ``member_weights=MemberWeights(...)``, or
     the path of a JSON state file (loaded when it exists, created otherwise, saved after every
     request), and every request starts from what earlier requests taught it, then adds its own
     Hedge rewards (:mod:`specem_core.weights`). ``reproduce_paper=True`` requests
@@ -83,6 +84,7 @@ class SpecEM:
         members: Sequence[Member],
         config: SpecEMConfig | None = None,
         *,
+        member_weights: MemberWeights | str | os.PathLike[str] | None = None,
         weights: MemberWeights | str | os.PathLike[str] | None = None,
         observers: Iterable[MemberObserver] = (),
         **config_overrides: Any,
@@ -104,6 +106,7 @@ class SpecEM:
         """Told of every member session and call (:meth:`add_observer`)."""
         self._members = members
         self._config = (config or SpecEMConfig()).replace(**config_overrides)
+        weights = renamed_argument(member_weights, weights, where="SpecEM", new="member_weights", old="weights")
         if weights is not None and not isinstance(weights, MemberWeights):
             weights = MemberWeights.open(weights)
         if weights is not None and weights.prior:
@@ -127,8 +130,8 @@ class SpecEM:
         Args:
             name: ``"quality"``, ``"fast"``, ``"paper"``, … (``specem presets`` lists them).
             **overrides: :class:`SpecEMConfig` fields over the preset's; ``members`` (specs or
-                members: replaces the preset's, and drops its prior unless ``weights`` is given);
-                ``verifiers`` (verify-only members); ``weights`` (a ``MemberWeights``, a
+                members: replaces the preset's, and drops its prior unless ``member_weights`` is given);
+                ``verifiers`` (verify-only members); ``member_weights`` (a ``MemberWeights``, a
                 state-file path, or ``False`` for none) and ``min_share``; ``config`` (a whole
                 :class:`SpecEMConfig` instead of the preset's settings); ``backend``, ``device``,
                 ``member_kwargs`` and ``api_key`` for loading members by name. The assembly is
@@ -148,7 +151,7 @@ class SpecEM:
         """The engine of an :class:`~specem_core.presets.EnsemblePlan` (:func:`specem_core.presets.plan`,
         checked and not yet loaded): its members loaded, its configuration and member weights."""
         parts = ensemble.load()
-        return cls(parts.members, parts.config, weights=parts.weights)
+        return cls(parts.members, parts.config, member_weights=parts.member_weights)
 
     def add_observer(self, observer: MemberObserver) -> Callable[[], None]:
         """Tell ``observer`` about every member session opened and closed and every member call
@@ -163,8 +166,19 @@ class SpecEM:
         return self._workers.running()
 
     @property
+    def member_weights(self) -> MemberWeights | None:
+        """The member weights shared across requests, which start each request's verifier
+        weights (``None``: the paper's per-request rule)."""
+        return self._weights
+
+    @property
     def weights(self) -> MemberWeights | None:
-        """The verifier weights shared across requests (``None``: the paper's per-request rule)."""
+        """Deprecated (until 0.3): :attr:`member_weights`."""
+        warnings.warn(
+            "SpecEM.weights is now SpecEM.member_weights; the old name stops working in 0.3",
+            FutureWarning,
+            stacklevel=2,
+        )
         return self._weights
 
     @property

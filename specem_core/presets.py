@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import TYPE_CHECKING, Any
 
-from specem_core.config import SpecEMConfig
+from specem_core.config import SpecEMConfig, renamed_argument
 from specem_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -74,6 +75,15 @@ class Preset:
         return SpecEMConfig(**dict(self.config))
 
     def weights(self) -> MemberWeights | None:
+        """Deprecated (until 0.3): :meth:`member_weights`."""
+        warnings.warn(
+            "Preset.weights() is now Preset.member_weights(); the old name stops working in 0.3",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.member_weights()
+
+    def member_weights(self) -> MemberWeights | None:
         """A fresh :class:`~specem_core.weights.MemberWeights` with the shipped prior (``None``
         without one). Each call gives a new object: what one engine learns stays its own.
 
@@ -271,10 +281,20 @@ class EngineParts:
     """Loaded, in tie-break order (the verify-only ones last)."""
     config: SpecEMConfig
     """The preset's configuration with the explicit arguments over it (validated)."""
-    weights: MemberWeights | None
+    member_weights: MemberWeights | None
     """The member weights (``None``: the paper's per-request rule)."""
     preset: Preset | None
     """The preset they come from (``None``: members of your own under the library defaults)."""
+
+    @property
+    def weights(self) -> MemberWeights | None:
+        """Deprecated (until 0.3): :attr:`member_weights`."""
+        warnings.warn(
+            "EngineParts.weights is now EngineParts.member_weights; the old name stops working in 0.3",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.member_weights
 
 
 @dataclass(frozen=True)
@@ -289,7 +309,7 @@ class EnsemblePlan:
     """The preset (``None``: members of your own under the library defaults)."""
     config: SpecEMConfig
     """The preset's configuration with the explicit arguments over it (validated)."""
-    weights: MemberWeights | None
+    member_weights: MemberWeights | None
     """The member weights the engine starts with (``None``: the paper's per-request rule)."""
     members: tuple[Any, ...]
     """Member specs or :class:`Member` objects, in tie-break order (the preset's by default)."""
@@ -314,7 +334,7 @@ class EnsemblePlan:
             member_kwargs=self.member_kwargs,
             api_key=self.api_key,
         )
-        return EngineParts(loaded, self.config, self.weights, self.preset)
+        return EngineParts(loaded, self.config, self.member_weights, self.preset)
 
 
 def plan(
@@ -322,13 +342,14 @@ def plan(
     *,
     members: Sequence[Member | str | os.PathLike[str]] | None = None,
     verifiers: Sequence[Member | str | os.PathLike[str]] = (),
-    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
+    member_weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
     min_share: float | None = None,
     config: SpecEMConfig | None = None,
     backend: str | None = None,
     device: str | None = None,
     member_kwargs: Mapping[str, Any] | None = None,
     api_key: Any = None,
+    weights: MemberWeights | str | os.PathLike[str] | bool | None = None,
     **fields: Any,
 ) -> EnsemblePlan:
     """The one assembly of an engine from a preset, with explicit arguments overriding it, checked
@@ -340,10 +361,11 @@ def plan(
         name: the preset; ``None``: the default preset, or none at all when ``members`` is given
             (:func:`resolve`).
         members: replace the preset's members (specs or :class:`Member` objects); the preset's
-            prior is then dropped unless ``weights`` is given.
+            prior is then dropped unless ``member_weights`` is given.
         verifiers: members that only verify (specs are loaded with ``can_draft=False``), after
             the others.
-        weights, min_share: the member weights (:func:`member_weights`).
+        member_weights, min_share: the member weights (:func:`member_weights`); ``weights`` is
+            the old name of ``member_weights`` (accepted with a ``FutureWarning`` until 0.3).
         config: the whole configuration instead of the preset's settings (``fields`` still apply
             over it).
         backend, device, member_kwargs: how members given by name are loaded
@@ -359,7 +381,8 @@ def plan(
         raise ConfigError("members is empty: give at least one member, or None for the preset's")
     preset = resolve(name, members_given=members is not None)
     spec = config.replace(**fields) if config is not None else config_of(preset, **fields)
-    chosen = member_weights(preset, members_given=members is not None, weights=weights, min_share=min_share)
+    given = renamed_argument(member_weights, weights, where="plan", new="member_weights", old="weights")
+    chosen = _member_weights(preset, members_given=members is not None, weights=given, min_share=min_share)
     specs: Sequence[Any] = preset.members if members is None and preset is not None else members or ()
     return EnsemblePlan(
         preset,
@@ -406,7 +429,7 @@ def member_weights(
     """
     from specem_core.weights import MemberWeights
 
-    prior = preset.weights() if preset is not None and not members_given else None
+    prior = preset.member_weights() if preset is not None and not members_given else None
     options = {} if min_share is None else {"min_share": min_share}
     chosen: MemberWeights | None
     if weights is None or weights is True:
@@ -426,6 +449,9 @@ def member_weights(
     if chosen is None and min_share is not None:
         raise ConfigError("min_share needs member weights (a weights file or object, or a preset with a prior)")
     return chosen
+
+
+_member_weights = member_weights  # ``plan``'s parameter of that name shadows the function
 
 
 def load_members(

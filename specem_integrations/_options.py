@@ -177,7 +177,7 @@ class _EnsembleFieldsBase(BaseModel):
         return SpecEM.from_preset(
             preset,
             members=self.members,
-            weights=self.member_weights,
+            member_weights=self.member_weights,
             backend=self.backend,
             member_kwargs=self.member_kwargs,
             api_key=self.api_key,

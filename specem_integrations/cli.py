@@ -132,8 +132,16 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
     # 0.1's names, hidden: --faithful is --reproduce-paper; --token-healing is a study option (--set)
     parser.add_argument("--faithful", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--weights", default=None, metavar="PATH", help=_WEIGHTS_HELP)
-    parser.add_argument("--no-weights", action="store_true", help="no member weights (drop the preset's prior)")
+    parser.add_argument(
+        "--member-weights", "--weights", dest="weights", default=None, metavar="PATH", help=_WEIGHTS_HELP
+    )
+    parser.add_argument(
+        "--no-member-weights",
+        "--no-weights",
+        dest="no_weights",
+        action="store_true",
+        help="no member weights (drop the preset's prior)",
+    )
     parser.add_argument("--min-share", type=float, default=None, metavar="SHARE", help=_MIN_SHARE_HELP)
     add_config_flags(parser, serving=serving)
 
@@ -143,7 +151,7 @@ def _calibrate_parser(sub: Any) -> None:
     cal = sub.add_parser(
         "calibrate",
         help="grade each member alone on a labelled JSONL set and write a member-weights file with the prior "
-        "(1 + score in %%) for --weights",
+        "(1 + score in %%) for --member-weights",
     )
     cal.add_argument("data", help="JSONL, one example per line: 'prompt' (or 'messages') and 'answer'")
     cal.add_argument("--preset", default=None, metavar="NAME", help="calibrate this preset's members")
@@ -160,7 +168,7 @@ def _calibrate_parser(sub: Any) -> None:
         help="exact (normalized equality, the default), contains, number (the last number in the reply: "
         "GSM8K-style) or choice (the option letter named: multiple choice)",
     )
-    cal.add_argument("--out", required=True, metavar="PATH", help="member-weights file to write (for --weights)")
+    cal.add_argument("--out", required=True, metavar="PATH", help="member-weights file to write (for --member-weights)")
     cal.add_argument("--force", action="store_true", help="overwrite --out when it exists (it may hold learned state)")
     cal.add_argument(
         "--prompt-template",
@@ -260,7 +268,7 @@ _WEIGHTS_HELP = (
 
 _MIN_SHARE_HELP = (
     "members whose weight share is below SHARE sit a request out (neither draft nor verify; reported as "
-    "excluded at stage 'gate'); needs member weights (--weights or a preset's prior)"
+    "excluded at stage 'gate'); needs member weights (--member-weights or a preset's prior)"
 )
 
 
@@ -286,7 +294,7 @@ def _resolve(args: argparse.Namespace, err: TextIO) -> EnsemblePlan:
         preset,
         members=args.model or None,
         verifiers=args.verifier,
-        weights=False if args.no_weights else (args.weights or None),
+        member_weights=False if args.no_weights else (args.weights or None),
         min_share=args.min_share,
         config=_config(args, preset),
         backend=args.backend,
@@ -298,10 +306,10 @@ def _resolve(args: argparse.Namespace, err: TextIO) -> EnsemblePlan:
 def _check_weight_flags(args: argparse.Namespace, preset: Preset | None) -> None:
     """The weight options that contradict each other or need weights, named as flags."""
     if args.weights and args.no_weights:
-        raise ConfigError("--weights and --no-weights contradict each other")
+        raise ConfigError("--member-weights and --no-member-weights contradict each other")
     prior = preset is not None and preset.prior is not None and not args.model
     if args.min_share is not None and not args.weights and (args.no_weights or not prior):
-        raise ConfigError("--min-share needs member weights (--weights, or a preset with a prior)")
+        raise ConfigError("--min-share needs member weights (--member-weights, or a preset with a prior)")
 
 
 def _config(args: argparse.Namespace, preset: Preset | None) -> SpecEMConfig:
@@ -639,7 +647,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         plan(  # the one assembly, without member weights: each member answers alone
             args.preset,
             members=args.model or None,
-            weights=False,
+            member_weights=False,
             config=config,
             backend=args.backend,
             device=args.device,
@@ -654,7 +662,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print(f"{member}: {done}/{total}", file=err, flush=True)
 
     result = calibrate(members, examples, args.grader, config=config, progress=progress)
-    weights = result.weights(**options)
+    weights = result.member_weights(**options)
     weights.save(target)
     if args.records:
         with open(args.records, "w", encoding="utf-8") as fh:
@@ -674,7 +682,9 @@ def _calibrate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             f"best {result.best} against {second}: better on {better}, worse on {worse} examples, "
             f"sign test p = {p:.2f} ({verdict})\n"
         )
-    out.write(f"wrote {target} ({len(examples)} examples, grader {args.grader}); serve with --weights {target}\n")
+    out.write(
+        f"wrote {target} ({len(examples)} examples, grader {args.grader}); serve with --member-weights {target}\n"
+    )
     return 0
 
 

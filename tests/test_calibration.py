@@ -72,7 +72,7 @@ def test_each_member_is_graded_on_its_own_reply(tiny_members: list[Any]) -> None
     assert all(s.errors == 0 and s.examples == 3 and s.seconds > 0 for s in result.scores.values())
     assert seen[-1] == ("qwen2", 3, 3)
     assert len(seen) == 6
-    weights = result.weights(min_share=0.1)
+    weights = result.member_weights(min_share=0.1)
     assert isinstance(weights, MemberWeights)
     assert (weights.prior, weights.min_share) == (result.prior, 0.1)
     data = json.loads(json.dumps(result.to_dict()))

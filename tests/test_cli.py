@@ -50,7 +50,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         (["chat", "hi", "--preset", "nosuch"], "unknown preset 'nosuch': use one of quality, fast, paper"),
         (["chat", "hi", "--api-key-env", "KEY"], "the members' key is --member-api-key-env"),
         (["calibrate", "x.jsonl", "--out", "w.json", "--api-key-env", "KEY"], "--member-api-key-env"),
-        (["chat", "hi", "--weights", "w.json", "--no-weights"], "--weights and --no-weights contradict"),
+        (["chat", "hi", "--weights", "w.json", "--no-weights"], "--member-weights and --no-member-weights contradict"),
         (["chat", "hi", "--model", "smollm2", "--min-share", "0.2"], "--min-share needs member weights"),
     ],
 )
@@ -146,16 +146,16 @@ def test_the_preset_sets_the_defaults_and_options_override_it() -> None:
     assert ensemble.preset is get_preset("quality")  # no --model: the default preset
     config = ensemble.config
     assert (config.trusted_opening_rounds, config.normalization, config.model_exit) == (2, "softmax", True)
-    assert ensemble.weights is not None
-    assert set(ensemble.weights.prior) == set(get_preset("quality").members)
+    assert ensemble.member_weights is not None
+    assert set(ensemble.member_weights.prior) == set(get_preset("quality").members)
     args = _parser().parse_args(["chat", "hi", "--no-model-exit", "--set", "trusted_opening_rounds=0"])
     config = _resolve(args, io.StringIO()).config
     assert (config.model_exit, config.trusted_opening_rounds, config.normalization) == (False, 0, "softmax")
     ensemble = _resolve(_parser().parse_args(["chat", "hi", "--model", "smollm2"]), io.StringIO())  # your own
-    assert (ensemble.preset, ensemble.weights, ensemble.config.normalization) == (None, None, "sum")
+    assert (ensemble.preset, ensemble.member_weights, ensemble.config.normalization) == (None, None, "sum")
     ensemble = _resolve(_parser().parse_args(["serve", "--preset", "fast", "--model", "smollm2"]), io.StringIO())
     assert ensemble.preset is get_preset("fast")
-    assert ensemble.weights is None  # --model replaces the members: the preset's prior names others
+    assert ensemble.member_weights is None  # --model replaces the members: the preset's prior names others
 
 
 def test_presets_command_lists_every_preset(capsys: pytest.CaptureFixture[str]) -> None:

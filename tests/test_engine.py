@@ -136,7 +136,7 @@ def test_model_exit_can_keep_the_member_the_weights_trust(
         max_new_tokens=10,
         model_exit_keeps_trusted=keep_trusted,
     )
-    result = SpecEM(members, cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
+    result = SpecEM(members, cfg, member_weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
     assert result.text.startswith("a a ")  # b keeps drafting but keeps losing the vote
     assert ("b" in result.segments[-1].drafters) is b_drafts_to_the_end
     assert "c" not in result.segments[-1].drafters
@@ -163,7 +163,7 @@ def test_model_exit_trusts_the_prior_over_weights_learned_from_votes(
     start = dict(zip("abc", weights.start(list("abc")), strict=True))
     assert max(start, key=start.__getitem__) == "a"  # what the votes taught
     cfg = SpecEMConfig(model_exit=True, model_exit_min_rounds=2, model_exit_temperature=0.2, max_new_tokens=10)
-    result = SpecEM(members, cfg, weights=weights).generate("q")
+    result = SpecEM(members, cfg, member_weights=weights).generate("q")
     assert "b" in result.segments[-1].drafters  # kept: the prior (or the model size) trusts it
     assert "c" not in result.segments[-1].drafters
 
@@ -176,7 +176,7 @@ def test_model_exit_stops_a_drafter_that_keeps_agreeing_with_the_trusted_one(agr
         model_exit=True, model_exit_min_rounds=100, max_new_tokens=12, model_exit_agreement_rounds=agreement_rounds
     )
     prior = {"a": 5.0, "b": 1.0, "c": 1.0}
-    result = SpecEM([a, b, c], cfg, weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
+    result = SpecEM([a, b, c], cfg, member_weights=MemberWeights(prior, learning_rate=0.0)).generate("q")
     drafters = [seg.drafters for seg in result.segments]
     assert all("a" in d and "c" in d for d in drafters)  # the anchor never exits; c never agrees
     if agreement_rounds:
@@ -204,7 +204,7 @@ def test_trusted_opening_rounds_let_the_trusted_member_write_the_opening(
     )
     weights = MemberWeights(prior, learning_rate=0.0) if prior is not None else None
     cfg = SpecEMConfig(trusted_opening_rounds=2, max_new_tokens=8, model_exit=True, model_exit_min_rounds=1)
-    result = SpecEM([a, b], cfg, weights=weights).generate("q")
+    result = SpecEM([a, b], cfg, member_weights=weights).generate("q")
     segments = result.segments
     if opener is None:
         assert all(seg.drafters == ["a", "b"] for seg in segments[:3])
@@ -234,7 +234,7 @@ def test_trusted_veto_commits_another_members_segment_only_when_the_trusted_memb
         "b", drafts=[("b ", False)], scorer=lambda committed, c: trusted_rates_a if c.text == "a " else 2.0
     )
     cfg = SpecEMConfig(trusted_veto=veto, hedge=False, max_new_tokens=1)
-    result = SpecEM([a, b], cfg, weights=MemberWeights({"a": 1.0, "b": 1.1}, learning_rate=0.0)).generate("q")
+    result = SpecEM([a, b], cfg, member_weights=MemberWeights({"a": 1.0, "b": 1.1}, learning_rate=0.0)).generate("q")
     (segment,) = result.segments
     assert segment.winner == winner
     assert max(range(2), key=segment.combined.__getitem__) == 0  # the vote itself picked a every time
@@ -252,7 +252,7 @@ def test_a_failing_trusted_opener_is_excluded_and_the_others_write_the_answer() 
     a = ScriptedMember("a", drafts=[("a ", False), ("done", True)])
     b = ScriptedMember("b", drafts=[("b ", False)], fail_on={"draft"})
     cfg = SpecEMConfig(trusted_opening_rounds=1, max_new_tokens=8)
-    result = SpecEM([a, b], cfg, weights=MemberWeights({"a": 1.0, "b": 5.0})).generate("q")
+    result = SpecEM([a, b], cfg, member_weights=MemberWeights({"a": 1.0, "b": 5.0})).generate("q")
     assert [(e.member, e.stage) for e in result.excluded] == [("b", "draft")]
     assert result.text == "a done"
     assert result.segments[0].drafters == ["a"]

@@ -434,7 +434,7 @@ def test_token_healing_in_the_engine_on_llama_cpp(models: dict[str, LlamaCppMode
     msgs = [{"role": "user", "content": "Give the address of a video site."}]
     config = SpecEMConfig(segment_len=5, max_new_tokens=16, token_healing=True, trusted_opening_rounds=1)
     weights = MemberWeights(prior={"opener": 10.0, "smollm2": 1.0})
-    result = SpecEM([opener, smol], config, weights=weights).generate(msgs)
+    result = SpecEM([opener, smol], config, member_weights=weights).generate(msgs)
     assert result.excluded == []
     assert result.segments[0].text == opening
     second = {c.member: (c.text, c.ended) for c in result.segments[1].candidates}

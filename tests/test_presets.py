@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_preset_ships_a_prior_for_exactly_its_members() -> None:
     for preset in PRESETS.values():
         preset.spec()  # the settings are valid
-        weights = preset.weights()
+        weights = preset.member_weights()
         if preset.prior is None:
             assert weights is None
             continue
@@ -39,13 +39,13 @@ def test_every_preset_ships_a_prior_for_exactly_its_members() -> None:
         # the prior is 1 + each member's score alone, as `specem calibrate` writes it
         for member, score in calibration["scores"].items():
             assert weights.prior[member] == pytest.approx(1 + score, abs=0.01)
-        assert preset.weights() is not weights  # a fresh state per engine: what one learns stays its own
+        assert preset.member_weights() is not weights  # a fresh state per engine: what one learns stays its own
 
 
 def test_the_default_preset_trusts_its_strongest_member() -> None:
     preset = get_preset(None)
     assert preset.name == DEFAULT_PRESET == "quality"
-    weights = preset.weights()
+    weights = preset.member_weights()
     assert weights is not None
     assert max(weights.prior, key=weights.prior.__getitem__) == preset.members[0] == "qwen2.5-coder-1.5b-instruct"
     assert preset_names()[0] == DEFAULT_PRESET
@@ -92,21 +92,21 @@ def test_a_missing_or_corrupt_prior_is_a_clear_error(monkeypatch: pytest.MonkeyP
 
     ghost = Preset("ghost", "no file", ("a", "b"), prior="ghost")
     with pytest.raises(ConfigError, match=r"the prior of preset 'ghost' is missing from the package.*reinstall"):
-        ghost.weights()
+        ghost.member_weights()
     monkeypatch.setattr(presets, "_data_dir", lambda: tmp_path)
     (tmp_path / "priors").mkdir()
     (tmp_path / "priors" / "ghost.json").write_text("{not json")
     with pytest.raises(ConfigError, match="the prior of preset 'ghost' cannot be read"):
-        ghost.weights()
+        ghost.member_weights()
     (tmp_path / "priors" / "ghost.json").write_text('["a list"]')
     with pytest.raises(ConfigError, match="is not a JSON object"):
-        ghost.weights()
+        ghost.member_weights()
     (tmp_path / "priors" / "ghost.json").write_text('{"format": "something-else"}')
     with pytest.raises(ConfigError, match="not a SpecEM member-weights file"):
-        ghost.weights()
+        ghost.member_weights()
     (tmp_path / "priors" / "ghost.json").write_text(json.dumps(MemberWeights({"a": 2.0}).to_dict()))
     with pytest.raises(ConfigError, match=r"has no entry for member\(s\) b"):
-        ghost.weights()
+        ghost.member_weights()
 
 
 def test_resolve_is_the_one_rule_of_every_surface() -> None:
@@ -123,10 +123,10 @@ def test_explicit_arguments_override_the_presets(tiny_members: list[Any]) -> Non
     assert [m.name for m in engine.members] == ["llama", "qwen2"]
     assert (engine.config.segment_len, engine.config.model_exit) == (3, False)
     assert (engine.config.normalization, engine.config.trusted_opening_rounds) == ("softmax", 2)
-    assert engine.weights is None  # the preset's prior names its own members only
+    assert engine.member_weights is None  # the preset's prior names its own members only
     mine = MemberWeights({"llama": 3.0, "qwen2": 1.0})
-    engine = SpecEM.from_preset("fast", members=pair, weights=mine, max_new_tokens=5)
-    assert engine.weights is mine
+    engine = SpecEM.from_preset("fast", members=pair, member_weights=mine, max_new_tokens=5)
+    assert engine.member_weights is mine
     assert engine.config.max_new_tokens == 5
     with pytest.raises(ConfigError, match=r"unknown SpecEM option\(s\): segmnt_len"):
         SpecEM.from_preset("fast", members=pair, segmnt_len=3)
@@ -136,14 +136,16 @@ def test_explicit_arguments_override_the_presets(tiny_members: list[Any]) -> Non
         SpecEM.from_preset("fast", members=[])
     # no preset name with members of your own: the library defaults, no weights
     engine = SpecEM.from_preset(None, members=pair)
-    assert (engine.config.normalization, engine.weights) == ("sum", None)
+    assert (engine.config.normalization, engine.member_weights) == ("sum", None)
 
 
 def test_a_prior_naming_no_member_is_an_error_not_a_silent_mean(tiny_members: list[Any]) -> None:
     with pytest.raises(ConfigError, match=r"names lama, not in this ensemble, and has no entry for llama"):
-        SpecEM(tiny_members[:2], weights=MemberWeights({"lama": 2.0, "qwen2": 1.0}))
+        SpecEM(tiny_members[:2], member_weights=MemberWeights({"lama": 2.0, "qwen2": 1.0}))
     # a state shared with a larger ensemble is fine: its extra entries name members absent here
-    assert SpecEM(tiny_members[:2], weights=MemberWeights({"llama": 2.0, "qwen2": 1.0, "gemma3": 1.0})).weights
+    assert SpecEM(
+        tiny_members[:2], member_weights=MemberWeights({"llama": 2.0, "qwen2": 1.0, "gemma3": 1.0})
+    ).member_weights
 
 
 def test_a_weights_file_of_a_preset_starts_from_its_prior(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,15 +155,15 @@ def test_a_weights_file_of_a_preset_starts_from_its_prior(tmp_path: Path, monkey
 
     monkeypatch.setattr(registry, "load_member", lambda spec, **kw: ScriptedMember(spec, [("Hi.", True)]))
     path = tmp_path / "w.json"
-    engine = SpecEM.from_preset("fast", weights=str(path))
-    assert engine.weights is not None
-    assert engine.weights.path == path
-    assert json.loads(path.read_text())["prior"] == PRESETS["fast"].weights().prior  # type: ignore[union-attr]
-    assert engine.weights.min_share == 0.1
-    again = SpecEM.from_preset("fast", weights=str(path))  # an existing file is loaded as it is
-    assert again.weights is not None
-    assert again.weights.prior == engine.weights.prior
-    assert SpecEM.from_preset("fast", weights=False).weights is None
+    engine = SpecEM.from_preset("fast", member_weights=str(path))
+    assert engine.member_weights is not None
+    assert engine.member_weights.path == path
+    assert json.loads(path.read_text())["prior"] == PRESETS["fast"].member_weights().prior  # type: ignore[union-attr]
+    assert engine.member_weights.min_share == 0.1
+    again = SpecEM.from_preset("fast", member_weights=str(path))  # an existing file is loaded as it is
+    assert again.member_weights is not None
+    assert again.member_weights.prior == engine.member_weights.prior
+    assert SpecEM.from_preset("fast", member_weights=False).member_weights is None
     assert [m.name for m in SpecEM.from_preset("fast").members] == list(PRESETS["fast"].members)
 
 
@@ -179,8 +181,8 @@ def test_the_default_preset_loads_its_real_members_and_answers() -> None:
         if packaged is not None
     ]
     assert [type(m).__name__ for m in engine.members] == expected
-    assert engine.weights is not None
-    assert set(engine.weights.prior) == set(get_preset(None).members)
+    assert engine.member_weights is not None
+    assert set(engine.member_weights.prior) == set(get_preset(None).members)
     result = engine.generate("What is 17 + 25? Answer with the number only.")
     assert "42" in result.text
     assert result.segments[0].drafters == ["qwen2.5-coder-1.5b-instruct"]  # the trusted member's opening

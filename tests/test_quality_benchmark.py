@@ -45,7 +45,7 @@ def quality(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
         chosen = members.get(name, [tiny.member("llama", name="smol"), tiny.member("qwen2", name="qwen")])
         spec = module.configs.CONFIGS[name]
         weights = MemberWeights(**spec["weights"]) if "weights" in spec else None
-        return SpecEM(chosen, SpecEMConfig(**spec["config"]), weights=weights)
+        return SpecEM(chosen, SpecEMConfig(**spec["config"]), member_weights=weights)
 
     monkeypatch.setattr(module.runner, "build_engine", build_engine)
     return module

@@ -551,7 +551,7 @@ def test_trusted_tool_calls_let_the_trusted_member_write_a_started_call(trusted_
     a = ScriptedMember("a", [opening, ('"arguments": {"city": "Rome"}}</tool_call>', True)], scorer=prefer_rome)
     b = ScriptedMember("b", [opening, ('"arguments": {"city": "Oslo"}}</tool_call>', True)], scorer=prefer_rome)
     config = SpecEMConfig(segment_len=4, max_new_tokens=64, trusted_tool_calls=trusted_tool_calls)
-    engine = SpecEM([a, b], config, weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
+    engine = SpecEM([a, b], config, member_weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
     result = engine.generate("Weather?", tools=[WEATHER] if tools else None)
     assert [s.drafters for s in result.segments] == drafters
     assert f'"city": "{city}"' in result.text
@@ -635,7 +635,7 @@ def test_unanimous_tool_calls_open_in_words_when_a_drafter_would(
     a = ScriptedMember("a", [small_opening, (" today.", True)])
     b = ScriptedMember("b", [trusted_opening, (" today.", True)])  # a script: the same whatever came before
     config = SpecEMConfig(segment_len=4, max_new_tokens=64, trusted_opening_rounds=2, unanimous_tool_calls=unanimous)
-    engine = SpecEM([a, b], config, weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
+    engine = SpecEM([a, b], config, member_weights=MemberWeights({"a": 1.0, "b": 5.0}, learning_rate=0.0))
     events = list(engine.stream("Weather?", tools=[WEATHER] if tools else None, tool_choice=tool_choice))
     first = events[0].segment
     assert first is not None

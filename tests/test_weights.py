@@ -136,8 +136,8 @@ def _trio(scorer_bias: dict[str, str]) -> list[ScriptedMember]:
 def test_requests_start_from_learned_weights_and_teach_them() -> None:
     members = _trio({"a": "A", "b": "A", "c": "C"})  # a and c prefer their own; b likes a's candidate
     weights = MemberWeights({"a": 1.0, "b": 1.0, "c": 1.0})
-    engine = SpecEM(members, SpecEMConfig(max_new_tokens=4), weights=weights)
-    assert engine.weights is weights
+    engine = SpecEM(members, SpecEMConfig(max_new_tokens=4), member_weights=weights)
+    assert engine.member_weights is weights
     first = engine.generate("q")
     assert first.segments[0].weights != pytest.approx([1 / 3] * 3)  # the paper's update still runs within a request
     assert weights.requests == 1
@@ -152,7 +152,7 @@ def test_requests_start_from_learned_weights_and_teach_them() -> None:
 def test_faithful_requests_neither_read_nor_update_learned_weights() -> None:
     members = _trio({"a": "A", "b": "A", "c": "C"})
     weights = MemberWeights({"a": 10.0, "b": 1.0, "c": 1.0})
-    engine = SpecEM(members, SpecEMConfig(max_new_tokens=4), weights=weights)
+    engine = SpecEM(members, SpecEMConfig(max_new_tokens=4), member_weights=weights)
     paper = engine.generate("q", reproduce_paper=True)
     reference = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4, reproduce_paper=True))
     assert [s.weights for s in paper.segments] == [s.weights for s in reference.generate("q").segments]
@@ -163,7 +163,7 @@ def test_prior_decides_the_vote_with_hedge_off(tmp_path: Path) -> None:
     members = _trio({"a": "A", "b": "B", "c": "C"})  # pure self-preference: uniform weights tie -> a
     path = tmp_path / "w.json"
     MemberWeights({"a": 1.0, "b": 1.0, "c": 4.0}, learning_rate=0.0).save(path)
-    engine = SpecEM(members, SpecEMConfig(max_new_tokens=2, hedge=False), weights=str(path))
+    engine = SpecEM(members, SpecEMConfig(max_new_tokens=2, hedge=False), member_weights=str(path))
     result = engine.generate("q")
     assert result.segments[0].winner == "c"
     assert result.segments[0].weights == pytest.approx([1 / 6, 1 / 6, 4 / 6])
@@ -173,20 +173,20 @@ def test_prior_decides_the_vote_with_hedge_off(tmp_path: Path) -> None:
 
 def test_a_weights_path_is_created_then_kept_up_to_date(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
-    engine = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), weights=path)
+    engine = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), member_weights=path)
     assert json.loads(path.read_text())["requests"] == 0  # created at once
     engine.generate("q")
     engine.generate("q")
     assert json.loads(path.read_text())["requests"] == 2
-    again = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), weights=path)
-    assert again.weights is not None
-    assert again.weights.requests == 2
-    assert again.weights.current() == pytest.approx(engine.weights.current())  # type: ignore[union-attr]
+    again = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), member_weights=path)
+    assert again.member_weights is not None
+    assert again.member_weights.requests == 2
+    assert again.member_weights.current() == pytest.approx(engine.member_weights.current())  # type: ignore[union-attr]
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="not a SpecEM member-weights file"):
-        SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), weights=path)
+        SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), member_weights=path)
     with pytest.raises(ConfigError, match="cannot write member-weights file"):
-        SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), weights=tmp_path / "no" / "such" / "dir.json")
+        SpecEM(_trio({"a": "A", "b": "B", "c": "C"}), member_weights=tmp_path / "no" / "such" / "dir.json")
 
 
 def test_a_member_below_min_share_sits_the_request_out_and_the_rest_decide_as_without_it() -> None:
@@ -205,17 +205,17 @@ def test_a_member_below_min_share_sits_the_request_out_and_the_rest_decide_as_wi
         ]
 
     prior = {"a": 10.0, "b": 9.0, "c": 1.0}  # shares 0.50 / 0.45 / 0.05
-    open_trio = SpecEM(trio(), max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0))
+    open_trio = SpecEM(trio(), max_new_tokens=2, hedge=False, member_weights=MemberWeights(prior, learning_rate=0.0))
     assert open_trio.generate("q").text == "C"
     members = trio()
     gated = SpecEM(
-        members, max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0, min_share=0.1)
+        members, max_new_tokens=2, hedge=False, member_weights=MemberWeights(prior, learning_rate=0.0, min_share=0.1)
     )
     result = gated.generate("q")
     assert members[2].calls == []  # never opened: no drafting, no scoring
     assert [(e.member, e.stage, e.round) for e in result.excluded] == [("c", "gate", 0)]
     assert "0.0500 is below min_share 0.1" in result.excluded[0].error
-    pair = SpecEM(trio()[:2], max_new_tokens=2, hedge=False, weights=MemberWeights(prior, learning_rate=0.0))
+    pair = SpecEM(trio()[:2], max_new_tokens=2, hedge=False, member_weights=MemberWeights(prior, learning_rate=0.0))
     expected = pair.generate("q")
     assert result.text == expected.text == "A"
     assert [s.weights for s in result.segments] == [s.weights for s in expected.segments]
@@ -226,7 +226,7 @@ def test_the_best_weighted_drafter_is_never_gated() -> None:
     drafter = ScriptedMember("small", drafts=[("x", True)])
     judge = ScriptedMember("judge", can_draft=False)
     weights = MemberWeights({"small": 1.0, "judge": 99.0}, min_share=0.5)
-    result = SpecEM([drafter, judge], max_new_tokens=2, weights=weights).generate("q")
+    result = SpecEM([drafter, judge], max_new_tokens=2, member_weights=weights).generate("q")
     assert result.text == "x"
     assert result.excluded == []
 
@@ -291,10 +291,36 @@ def test_leave_self_out_lets_the_others_decide() -> None:
 
 def test_weights_file_written_by_an_engine_is_plain_json(tmp_path: Path) -> None:
     weights = MemberWeights()
-    engine = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), weights=weights)
+    engine = SpecEM(_trio({"a": "A", "b": "A", "c": "C"}), SpecEMConfig(max_new_tokens=4), member_weights=weights)
     engine.generate("q")
     weights.save(tmp_path / "w.json")
     data = json.loads((tmp_path / "w.json").read_text())
     assert data["format"] == "specem-member-weights/1"
     assert data["requests"] == 1
     assert set(data["cumulative"]) == {"a", "b", "c"}
+
+
+def test_the_old_names_of_member_weights_still_work_with_a_warning() -> None:
+    """``weights=`` (0.1) is ``member_weights=`` now, on the engine, ``from_preset``/``plan`` and
+    the results that make them; the old names work until 0.3, with a warning naming the new one."""
+    from specem_core import SpecEM
+    from specem_core.calibration import Calibration, MemberScore
+    from specem_core.errors import ConfigError
+    from specem_core.presets import get_preset, plan
+
+    members = _trio({"a": "A", "b": "A", "c": "C"})
+    state = MemberWeights({"a": 2.0, "b": 1.0, "c": 1.0})
+    with pytest.warns(FutureWarning, match="'weights' is now called 'member_weights'"):
+        engine = SpecEM(members, member_retries=0, weights=state)
+    assert engine.member_weights is state
+    with pytest.warns(FutureWarning, match="SpecEM.member_weights"):
+        assert engine.weights is state
+    with pytest.raises(ConfigError, match="member_weights given twice"), pytest.warns(FutureWarning):
+        SpecEM(members, weights=state, member_weights=state)
+    with pytest.warns(FutureWarning, match="'weights' is now called 'member_weights'"):
+        assert plan("fast", weights=False).member_weights is None
+    with pytest.warns(FutureWarning, match="member_weights"):
+        assert get_preset("quality").weights() is not None
+    result = Calibration({"a": MemberScore("a", 50.0, 2), "b": MemberScore("b", 0.0, 2)})
+    with pytest.warns(FutureWarning, match="member_weights"):
+        assert result.weights().prior == result.member_weights().prior

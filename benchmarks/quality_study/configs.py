@@ -257,7 +257,7 @@ def write_prior(name: str) -> str:
             seconds += sum(r["seconds"] for r in recs)
         scores[member] = MemberScore(member, 100 * passed / examples, examples, seconds=seconds)
     calibration = Calibration(scores, grades)
-    state = calibration.weights(learning_rate=1.0, min_share=0.1).to_dict()
+    state = calibration.member_weights(learning_rate=1.0, min_share=0.1).to_dict()
     best, second = calibration.best, calibration.runner_up
     sets = {task: {"metric": metric, "n": len(load_rows(task, None))} for task, metric in PRIOR_SETS.items()}
     state["calibration"] = {

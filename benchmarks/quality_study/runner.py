@@ -31,7 +31,7 @@ def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
         return SpecEM.from_preset(
             spec["preset"],
             backend="llamacpp",
-            weights=MemberWeights.load(saved) if saved.exists() else None,
+            member_weights=MemberWeights.load(saved) if saved.exists() else None,
             **overrides,
         )
     members = [load_member(m) for m in spec["members"]]
@@ -48,7 +48,7 @@ def build_engine(name: str, task: str = "", fold: int | None = None) -> Any:
             prior = calibrated_prior(task, spec["members"], names)
         saved = state_path(task, name, fold)
         weights = MemberWeights.load(saved) if saved.exists() else MemberWeights(prior, **options)
-    return SpecEM(members, SpecEMConfig(**spec["config"]), weights=weights)
+    return SpecEM(members, SpecEMConfig(**spec["config"]), member_weights=weights)
 
 
 def progress(items: list[Any], desc: str) -> Iterator[Any]:
@@ -100,9 +100,9 @@ def run_part(task: str, name: str, todo: list[dict[str, Any]], engine: Any, seed
             record["build"] = llama_cpp_build()
             if task == "humaneval":  # graded now, in the sandbox: the record says how the code ended
                 record.update(grade_humaneval(row, result.text))
-            if engine.weights is not None:  # learned across requests: keep them with the answers
-                record["weights_after"] = engine.weights.current()
-                engine.weights.save(state_path(task, name, fold))
+            if engine.member_weights is not None:  # learned across requests: keep them with the answers
+                record["weights_after"] = engine.member_weights.current()
+                engine.member_weights.save(state_path(task, name, fold))
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
             fh.flush()
 

@@ -71,7 +71,7 @@ class LiveView:
 
     def state(self) -> LiveState:
         """What the metrics' gauges show now."""
-        weights = self.engine.weights
+        weights = self.engine.member_weights
         return LiveState(
             running=self.admission.running,
             queued=self.admission.waiting,

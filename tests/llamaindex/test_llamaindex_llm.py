@@ -284,7 +284,7 @@ def test_parity_with_chat_specem(monkeypatch: pytest.MonkeyPatch) -> None:
     loaded.clear()
     preset_llm = SpecEMLLM(model="fast")
     assert [m.name for m in preset_llm.engine.members] == ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
-    assert preset_llm.engine.weights is not None
+    assert preset_llm.engine.member_weights is not None
     with pytest.raises(ConfigError, match="takes no preset= or members="):
         SpecEMLLM(engine=scripted_engine(), preset="fast")
     with pytest.raises(ConfigError, match="disagree"):
@@ -308,7 +308,7 @@ def test_member_weights_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> Non
     weights = MemberWeights({"a": 2.0})
     llm = SpecEMLLM(members=["a", "b", "c"], max_new_tokens=4, member_weights=weights)
     llm.complete("hi")
-    assert llm.engine.weights is weights
+    assert llm.engine.member_weights is weights
     assert weights.requests == 1
 
 

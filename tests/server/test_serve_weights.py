@@ -41,7 +41,7 @@ def test_an_unwritable_state_file_keeps_the_answer_and_logs_a_warning(
     weights = MemberWeights.open(path)  # written now: the file is valid and readable
     saved = path.read_text()
     _blocked(path)
-    engine = SpecEM(tiny_members[:2], SpecEMConfig(segment_len=4, max_new_tokens=12), weights=weights)
+    engine = SpecEM(tiny_members[:2], SpecEMConfig(segment_len=4, max_new_tokens=12), member_weights=weights)
     body = {"model": "specem", "messages": [{"role": "user", "content": "Hello!"}], "stream": stream}
     with TestClient(create_app(engine)) as client, caplog.at_level(logging.WARNING, logger="specem.weights"):
         response = client.post("/v1/chat/completions", json=body)
