@@ -81,8 +81,10 @@ def test_bad_construction() -> None:
         SpecEMLLM(engine=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unknown option 'segment_length'; did you mean segment_len"):
         SpecEMLLM(engine=scripted_engine(), engine_options={"segment_length": 3})
-    with pytest.raises(ValueError, match="greater than 0"):
+    with pytest.raises(ConfigError, match="max_new_tokens must be an integer >= 1, got 0"):
         SpecEMLLM(max_new_tokens=0)
+    with pytest.raises(ValueError, match="timeout"):  # the fields that choose the ensemble keep their checks
+        SpecEMLLM(timeout=-1)
 
 
 def test_chat_returns_the_answer_and_the_trace() -> None:
