@@ -31,6 +31,7 @@ from specem_core.types import (
     Segment,
     StreamEvent,
     ToolCall,
+    Trusted,
     Usage,
 )
 from specem_core.weights import MemberWeights
@@ -71,6 +72,7 @@ __all__ = [
     "StreamEvent",
     "ToolCall",
     "TransformersMember",
+    "Trusted",
     "Usage",
     "__version__",
     "default_engine",

@@ -139,7 +139,7 @@ class SpecEMConfig(StudyOptions):
     """Members on one device draft in turn and continue from earlier candidates where their own
     pick agrees (speculative drafting: less work, the same drafts up to the kernels' numerics)."""
 
-    # -- Model Exit and the trusted member (these need member weights) --------------------------
+    # -- Model Exit and the trusted member ------------------------------------------------------
     model_exit: bool = False
     """Model Exit (our design): members that keep losing stop drafting."""
     model_exit_temperature: float = 1.0
@@ -147,8 +147,11 @@ class SpecEMConfig(StudyOptions):
     model_exit_agreement_rounds: int = 0
     """Model Exit also stops a drafter whose candidate equalled the kept member's this many rounds
     running (0: off)."""
+    trusted_member: str | None = None
+    """The member the trusted member's rules trust, by name; ``None``: the drafter with the highest
+    prior in the member weights (none without member weights)."""
     trusted_opening_rounds: int = 0
-    """The first N rounds are drafted by the trusted member (the highest prior) alone, unvoted."""
+    """The first N rounds are drafted by the trusted member (see ``trusted_member``) alone, unvoted."""
     trusted_veto: bool = False
     """Another member's segment wins only if the trusted member scores it at least as high as its
     own draft."""
@@ -189,6 +192,8 @@ class SpecEMConfig(StudyOptions):
                 raise ConfigError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.parallel is not None and not isinstance(self.parallel, bool):
             raise ConfigError(f"parallel must be True, False or None, got {self.parallel!r}")
+        if self.trusted_member is not None and (not isinstance(self.trusted_member, str) or not self.trusted_member):
+            raise ConfigError(f"trusted_member must be a member's name or None, got {self.trusted_member!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
         _finite_at_least("temperature", self.temperature, 0.0)

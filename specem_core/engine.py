@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 import warnings
@@ -27,10 +28,13 @@ from specem_core.presets import DEFAULT_PRESET, EnsemblePlan, Preset
 from specem_core.presets import plan as plan_ensemble
 from specem_core.threads import Workers
 from specem_core.tools import MAX_TOOL_ROUNDS, OutputPlan, tool_rounds
-from specem_core.types import GenerationResult, StreamEvent, check_unicode, validate_messages
+from specem_core.trusted import check_trusted_member, choose_trusted
+from specem_core.types import GenerationResult, StreamEvent, Trusted, check_unicode, validate_messages
 from specem_core.weights import MemberWeights
 
 __all__ = ["CandidateFilter", "Request", "SpecEM", "default_engine"]
+
+logger = logging.getLogger("specem")
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,9 @@ class SpecEM:
                     f"for {', '.join(unpriored)}: a misspelt member name? The members are {', '.join(names)}"
                 )
         self._weights = weights
+        check_trusted_member(members, self._config.trusted_member)
+        trusted = self.trusted()
+        logger.info("trusted member: %s (%s)", trusted.member or "none", trusted.reason)
 
     @classmethod
     def from_preset(cls, name: str | Preset | None = None, **overrides: Any) -> SpecEM:
@@ -180,6 +187,22 @@ class SpecEM:
             stacklevel=2,
         )
         return self._weights
+
+    def trusted(self, **overrides: Any) -> Trusted:
+        """The member a request (with these :class:`SpecEMConfig` overrides) starts by trusting,
+        and why: ``trusted_member`` if set, else the drafter with the highest prior in the member
+        weights, else none (the rule: :func:`specem_core.trusted.choose_trusted`). A request
+        reports its own in ``result.trusted`` (a member excluded before the first round is not
+        trusted). Surfaces say it at start-up.
+
+        Raises:
+            ConfigError: ``trusted_member`` names no member that drafts.
+        """
+        config = self._config.replace(**overrides)
+        check_trusted_member(self._members, config.trusted_member)
+        drafters = {i: 1.0 for i, m in enumerate(self._members) if m.can_draft}
+        index, reason = choose_trusted(self._members, drafters, self._weights, config.trusted_member)
+        return Trusted(self._members[index].name if index is not None else None, reason)
 
     @property
     def members(self) -> list[Member]:

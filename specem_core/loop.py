@@ -52,7 +52,7 @@ from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
 from specem_core.tools import CandidateFilter as CandidateFilter  # re-exported: the engine's import path
 from specem_core.tools import Constraint, as_constraint, opens_call
-from specem_core.trusted import TrustedMember, gated, trusted_drafter, unanimous_call_opening
+from specem_core.trusted import TrustedMember, check_trusted_member, choose_trusted, gated, unanimous_call_opening
 from specem_core.types import (
     Candidate,
     CandidateScore,
@@ -63,6 +63,7 @@ from specem_core.types import (
     MemberUsage,
     Segment,
     StreamEvent,
+    Trusted,
     Usage,
 )
 from specem_core.vote import Vote, distinct, row_values, score_rows, tally
@@ -127,8 +128,11 @@ class Run:
         self.usage = [MemberUsage(member=m.name) for m in self.members]
         self.exited: set[int] = set()
         """Drafters Model Exit stopped (they keep verifying)."""
+        check_trusted_member(self.members, config.trusted_member)
         self.trust = TrustedMember(None, config, tools=bool(self.tools))
         """The trusted member, chosen once the verifier weights are known (:meth:`events`)."""
+        self.trusted: Trusted | None = None
+        """Which member it is and why (the result's ``trusted``)."""
         self.text = ""
         """The committed answer."""
         self.segments: list[Segment] = []
@@ -161,8 +165,9 @@ class Run:
             self.open_sessions()
             weights = self.initial_weights()
             self.commit_forced_start()
-            trusted = trusted_drafter(self.members, weights, self.learned)
+            trusted, reason = choose_trusted(self.members, weights, self.learned, cfg.trusted_member)
             self.trust = TrustedMember(trusted, cfg, tools=bool(self.tools))
+            self.trusted = Trusted(self.members[trusted].name if trusted is not None else None, reason)
             exit_rule = self.model_exit() if cfg.model_exit else None
             k = 0
             while not self.cancelled.is_set():
@@ -481,4 +486,5 @@ class Run:
             seconds=time.perf_counter() - started,
             first_segment_seconds=first_segment,
             config=self.config.to_dict(),
+            trusted=self.trusted,
         )

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from specem_core.backends.base import Member, draft_cost
 from specem_core.config import SpecEMConfig
+from specem_core.errors import ConfigError
 from specem_core.tools import call_in_progress, opens_call, opens_tool_listing
 from specem_core.types import Candidate
 from specem_core.weights import MemberWeights
@@ -50,11 +51,50 @@ def trusted_drafter(
     return ranked[-1][1]
 
 
+def choose_trusted(
+    members: Sequence[Member],
+    weights: Mapping[int, float],
+    learned: MemberWeights | None,
+    named: str | None,
+) -> tuple[int | None, str]:
+    """The trusted drafter of a request and why, by the documented rule: the member named by
+    ``trusted_member`` (``named``); else the highest prior in the member weights
+    (:func:`trusted_drafter`); else none. ``weights``: the request's drafters and verifiers (a
+    member excluded or gated before the first round is not among them)."""
+    if named is not None:
+        index = next((i for i, m in enumerate(members) if m.name == named), None)
+        if index is None or index not in weights:
+            return None, f"trusted_member {named} is not in this request (excluded or gated): no member is trusted"
+        return index, "named by trusted_member"
+    index = trusted_drafter(members, weights, learned)
+    if index is not None:
+        assert learned is not None
+        return index, f"the highest prior in the member weights ({learned.prior_of(members[index].name):g})"
+    if learned is None:
+        return None, "no member weights and no trusted_member: no member is trusted"
+    return None, "the member weights' prior ties: no member is trusted"
+
+
+def check_trusted_member(members: Sequence[Member], named: str | None) -> None:
+    """``trusted_member`` names a member that drafts.
+
+    Raises:
+        ConfigError: no member has that name, or that member only verifies.
+    """
+    if named is None:
+        return
+    names = [m.name for m in members]
+    if named not in names:
+        raise ConfigError(f"trusted_member {named!r} is not a member; the members are {', '.join(names)}")
+    if not members[names.index(named)].can_draft:
+        raise ConfigError(f"trusted_member {named!r} only verifies: the trusted member must draft")
+
+
 class TrustedMember:
     """The trusted member of one request (fixed at its start) and the rules that use it.
 
     Args:
-        index: the trusted drafter (:func:`trusted_drafter`), or ``None``.
+        index: the trusted drafter (:func:`choose_trusted`), or ``None``.
         config: the request's configuration.
         tools: whether tools were offered.
     """

@@ -293,6 +293,18 @@ class InvalidToolCall:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Trusted:
+    """The trusted member of a request (``trusted_member``, else the highest prior in the member
+    weights, else none) and why."""
+
+    member: str | None
+    """Its name; ``None``: no member is trusted (the trusted member's rules do nothing)."""
+    reason: str
+    """Why: ``named by trusted_member``, ``the highest prior in the member weights (…)``, or why
+    none is."""
+
+
 @dataclass
 class GenerationResult:
     """The answer of one request plus everything needed to see how it was made."""
@@ -316,6 +328,8 @@ class GenerationResult:
     """Time from the request to the first committed segment."""
     config: dict[str, Any] = field(default_factory=dict)
     """The configuration this request ran with (``SpecEMConfig`` fields, request overrides applied)."""
+    trusted: Trusted | None = None
+    """Which member the trusted member's rules trusted in this request, and why."""
     content: str | None = None
     """The answer without tool-call markup (equal to ``text`` when no tools were given)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
@@ -353,6 +367,7 @@ class GenerationResult:
             "excluded": [dataclasses.asdict(e) for e in self.excluded],
             "seconds": self.seconds,
             "first_segment_seconds": self.first_segment_seconds,
+            **({"trusted": dataclasses.asdict(self.trusted)} if self.trusted is not None else {}),
             "segments": [s.to_dict() for s in self.segments],
         }
 

@@ -291,6 +291,8 @@ def add_config_flags(parser: argparse.ArgumentParser, *, serving: bool = False) 
             group.add_argument(*option.flags, choices=list(typing.get_args(base)), **kwargs)
         elif base in (int, float):
             group.add_argument(*option.flags, type=base, metavar="N" if base is int else "X", **kwargs)
+        elif base is str:
+            group.add_argument(*option.flags, metavar="NAME", **kwargs)
         else:  # pragma: no cover - a new kind of option: declare how the CLI reads it here
             raise TypeError(f"no CLI flag for {option.name} ({option.annotation})")
     group.add_argument(

@@ -363,6 +363,12 @@ def _engine(ensemble: EnsemblePlan) -> SpecEM:
     return engine
 
 
+def _trusted_line(engine: SpecEM) -> str:
+    """Which member the trusted member's rules trust, and why (``trusted_member``, the prior)."""
+    trusted = engine.trusted()
+    return f"trusted member: {trusted.member or 'none'} ({trusted.reason})"
+
+
 def _probe_servers(members: list[Any]) -> None:
     """Probe server members now, so that what they lack (a chat template: a warning naming
     ``tokenizer=``) is said at start-up; a server that does not answer is left to the engine,
@@ -402,6 +408,8 @@ def _chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     preset = ensemble.preset
     if preset is not None:
         print(f"preset: {preset.name} ({', '.join(m.name for m in members)})", file=err, flush=True)
+    if len(members) > 1:
+        print(_trusted_line(engine), file=err, flush=True)
     if args.json:
         full = engine.generate(messages)
         out.write(json.dumps(full.to_dict(), ensure_ascii=False, indent=2) + "\n")
@@ -597,6 +605,8 @@ def _serve(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             file=err,
             flush=True,
         )
+        if len(members) > 1:
+            print(f"specem serve: {_trusted_line(engine)}", file=err, flush=True)
         if _ui_enabled(args.ui, args.host):
             print(f"specem serve: playground on {url}/", file=err, flush=True)
         if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

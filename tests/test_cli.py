@@ -353,3 +353,14 @@ def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(t
         args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
         with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
             _engine(_resolve(args, io.StringIO()))
+
+
+def test_the_start_up_line_says_which_member_is_trusted_and_why() -> None:
+    from scripted import ScriptedMember
+
+    from specem_core import SpecEM
+    from specem_integrations.cli import _trusted_line
+
+    members = [ScriptedMember("big"), ScriptedMember("small")]
+    assert _trusted_line(SpecEM(members, trusted_member="big")) == "trusted member: big (named by trusted_member)"
+    assert _trusted_line(SpecEM(members)).startswith("trusted member: none (no member weights and no trusted_member")

@@ -30,6 +30,7 @@ _SPECIAL: dict[str, Any] = {
     "top_p": 0.5,
     "model_exit_entropy_ratio": 0.25,
     "model_exit_min_prob": 0.3,
+    "trusted_member": "a",  # the scripted members are a and b
 }
 
 
