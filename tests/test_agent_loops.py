@@ -229,8 +229,11 @@ def test_a_loop_of_new_calls_ends_in_words_within_the_round_limit() -> None:
     messages, result = run_agent(engine(Writer("looper", looping)), TWO_STEPS)
     assert tool_rounds(messages) == MAX_TOOL_ROUNDS  # before: it never ended (new calls each time)
     assert result.tool_calls == []
-    assert "{" not in result.content
-    assert [m["content"] for m in messages if m["role"] == "tool"][:2] == ["84", "89"]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    assert results[:2] == ["84", "89"]
+    # the answer it gives states the last tool result (the right one, 89, is the strict xfail below)
+    assert result.content == f"The result is {results[-1]}."
+    assert result.content == "The result is 11280."
 
 
 @pytest.mark.xfail(

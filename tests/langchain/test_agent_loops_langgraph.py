@@ -90,7 +90,9 @@ def test_create_agent_multi_step_loop_ends_within_the_round_limit() -> None:
     out = agent.invoke({"messages": [("user", TWO_STEPS)]}, LIMIT_25)
     final = out["messages"][-1]
     assert not final.tool_calls
-    assert "{" not in str(final.content)
+    # the answer it gives states the last tool result (the right one, 89, is the strict xfail below)
+    assert final.content == "The result is 11280."
+    assert out["messages"][-2].content == "11280"  # the last tool result
     assert calls[:2] == [("multiply", 12, 7), ("add", 84, 5)]
     assert len(calls) == MAX_TOOL_ROUNDS  # before: new calls until the recursion limit, then an error
 
