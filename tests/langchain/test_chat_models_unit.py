@@ -481,11 +481,11 @@ def test_member_weights_path_reaches_the_engine(monkeypatch: pytest.MonkeyPatch,
     path = tmp_path / "weights.json"
     llm = ChatSpecEM(members=["a", "b", "c"], max_tokens=4, member_weights=str(path))
     llm.invoke("hi")
-    weights = llm.get_engine().weights
+    weights = llm.get_engine().member_weights
     assert isinstance(weights, MemberWeights)
     assert weights.requests == 1
     assert path.exists()  # saved after the request
-    assert ChatSpecEM(members=["a", "b"]).get_engine().weights is None  # opt-in
+    assert ChatSpecEM(members=["a", "b"]).get_engine().member_weights is None  # opt-in
 
 
 def test_a_follow_up_reports_the_tokens_read_from_the_prefix_cache() -> None:
