@@ -171,7 +171,7 @@ def test_probe_detects_prefill_support_without_a_local_template(smollm2_server: 
     assert vllm.modes[0] == "chat_prefill"
 
 
-def test_unusable_echo_falls_back_to_the_judge_and_never_scores_it() -> None:
+def test_unusable_echo_falls_back_to_the_judge_and_never_scores_it(caplog: pytest.LogCaptureFixture) -> None:
     server = FakeServer(dialect="vllm")
     inner = server.handler
 
@@ -183,10 +183,20 @@ def test_unusable_echo_falls_back_to_the_judge_and_never_scores_it() -> None:
         return inner(request)
 
     m = OpenAIHTTPMember("http://x/v1", chat_template=CHATML, transport=httpx.MockTransport(no_logprobs), retry=FAST)
-    caps = m.probe()
+    assert m.verification is None  # not probed yet
+    with caplog.at_level(logging.WARNING, logger="specem"):
+        caps = m.probe()
     assert caps.completions
     assert not caps.echo_logprobs
     assert m.modes == ("completions", "judge")
+    # never silently: a warning at start-up (the probe), the member's verification, the trace
+    assert m.verification == "judge"
+    assert any(
+        "verifies as a judge" in r.getMessage() and "verify_mode='logprobs'" in r.getMessage() for r in caplog.records
+    )
+    session = m.open(SessionRequest([{"role": "user", "content": "Capital of France?"}]))
+    assert session.server_trace()["verification"] == "judge"
+    session.close()
     strict = OpenAIHTTPMember(
         "http://x/v1", verify_mode="logprobs", transport=httpx.MockTransport(no_logprobs), retry=FAST
     )

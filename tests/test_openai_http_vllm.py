@@ -51,6 +51,7 @@ def test_the_vllm_environment_is_there() -> None:
         "(or set SPECEM_VLLM_PYTHON)"
     )
 
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK = 32
 """vLLM's --block-size here: a request reads its prompt from the prefix cache in whole blocks (the

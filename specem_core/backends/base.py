@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from specem_core.types import Candidate, CandidateScore, Draft
 
@@ -198,6 +198,23 @@ class BreakerMember(Protocol):
     @property
     def breaker(self) -> Breaker:
         """The circuit breaker of this member's server."""
+        ...
+
+
+Verification = Literal["exact", "judge", "none"]
+"""How a member verifies: ``exact`` (its model's own log-probs or logits of the candidate's
+tokens), ``judge`` (an approximate preference read from a chat answer's top log-probs), ``none``
+(it drafts only)."""
+
+
+@runtime_checkable
+class VerificationMember(Protocol):
+    """A member whose way of verifying is decided at run time (a server member: from what its
+    server offers), so that a surface can say when it is not exact."""
+
+    @property
+    def verification(self) -> Verification | None:
+        """How it verifies (``None``: not decided yet: its server was not probed)."""
         ...
 
 

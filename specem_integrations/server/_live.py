@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specem_core.backends.base import BatchingMember, BreakerMember
+from specem_core.backends.base import BatchingMember, BreakerMember, VerificationMember
 from specem_core.engine import SpecEM
 from specem_integrations.server._admission import Admission, Stats
 from specem_integrations.server._metrics import LiveState
@@ -83,6 +83,11 @@ class LiveView:
             draining=self.readiness.draining,
             breakers=[(m.name, m.breaker) for m in self.engine.members if isinstance(m, BreakerMember)],
             weights=weights.current() if weights is not None else {},
+            verification=[
+                (m.name, m.verification)
+                for m in self.engine.members
+                if isinstance(m, VerificationMember) and m.verification is not None
+            ],
         )
 
     def decode_batching(self) -> dict[str, dict[str, Any]]:

@@ -56,6 +56,9 @@ class LiveState:
     ``rejected``); local members have none."""
     weights: Mapping[str, float] = field(default_factory=dict)
     """The member weights' current normalized values (empty without member weights)."""
+    verification: list[tuple[str, str]] = field(default_factory=list)
+    """``(member, how it verifies)`` for members whose way is decided from their server
+    (:class:`~specem_core.backends.base.VerificationMember`: ``exact``, ``judge``, ``none``)."""
 
 
 class _LiveCollector(Collector):
@@ -91,6 +94,15 @@ class _LiveCollector(Collector):
             for member, value in live.weights.items():
                 weight.add_metric([member], value)
             yield weight
+        if live.verification:
+            verifies = GaugeMetricFamily(
+                "specem_member_verification",
+                "How a server member verifies (value 1): exact (a scoring path), judge (approximate) or none.",
+                labels=["member", "verification"],
+            )
+            for member, how in live.verification:
+                verifies.add_metric([member, how], 1)
+            yield verifies
         if live.breakers:
             yield from _breaker_metrics(live.breakers)
 

@@ -255,6 +255,39 @@ def test_a_member_whose_server_is_down_shows_its_open_breaker_and_exclusions(tin
     assert not any(key[0] == "specem_member_breaker_state" and ("member", local.name) in key[1] for key in samples)
 
 
+def test_how_each_server_member_verifies_is_a_metric(tiny_members: list[Any]) -> None:
+    """A server member whose verification fell back to the judge (no exact scoring path) shows it,
+    never silently: ``specem_member_verification{verification="judge"}``; local members have none."""
+    import json
+
+    from fake_openai_server import FakeServer
+
+    from specem_core.backends.http.client import RetryPolicy
+    from specem_core.backends.http.member import OpenAIHTTPMember
+
+    inner = FakeServer(dialect="vllm").handler
+
+    def no_echo(request: httpx.Request) -> httpx.Response:  # a server that refuses echo log-probs
+        path = request.url.path
+        completions = path.endswith("/completions") and not path.endswith("chat/completions")
+        if completions and json.loads(request.content).get("echo"):
+            return httpx.Response(400, json={"error": "echo is not supported"})
+        return inner(request)
+
+    remote = OpenAIHTTPMember(
+        "http://x/v1",
+        name="remote",
+        chat_template="{{ messages }}",
+        transport=httpx.MockTransport(no_echo),
+        retry=RetryPolicy(max_retries=0, backoff_base=0.001, backoff_max=0.001),
+    )
+    local = tiny_members[0]
+    with TestClient(create_app(SpecEM([local, remote], SpecEMConfig(max_new_tokens=4)))) as client:
+        samples = scrape(client)
+    assert value(samples, "specem_member_verification", member="remote", verification="judge") == 1
+    assert not any(key[0] == "specem_member_verification" and ("member", local.name) in key[1] for key in samples)
+
+
 # -- auth and formats --------------------------------------------------------------------------------
 def test_metrics_need_the_api_key_unless_public(tiny_members: list[Any]) -> None:
     engine = SpecEM(tiny_members[:1], SpecEMConfig(max_new_tokens=2))

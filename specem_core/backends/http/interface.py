@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from specem_core.backends.base import SamplingParams
+from specem_core.backends.base import SamplingParams, Verification
 from specem_core.backends.http.client import OpenAIClient
 from specem_core.backends.http.judge_prompt import JudgeOptions
 from specem_core.backends.http.probe import DraftMode, PromptSource, ScorePath, ServerCapabilities, VerifyMode
@@ -81,6 +81,9 @@ class ServerMember(Protocol):
 
     @property
     def capabilities(self) -> ServerCapabilities | None: ...
+
+    @property
+    def verification(self) -> Verification | None: ...
 
     def sampling_body(self, sampling: SamplingParams, seed: int | None) -> dict[str, Any]: ...
 

@@ -73,7 +73,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import SecretStr
 
-from specem_core.backends.base import SamplingParams, SessionRequest
+from specem_core.backends.base import SamplingParams, SessionRequest, Verification
 from specem_core.backends.http import probing
 from specem_core.backends.http.client import (
     BreakerPolicy,
@@ -263,6 +263,18 @@ class OpenAIHTTPMember:
         return self.client.breaker
 
     @property
+    def verification(self) -> Verification | None:
+        """How this member verifies (:class:`~specem_core.backends.base.VerificationMember`):
+        ``exact`` (a scoring path: ``score_path``), ``judge`` (approximate: the member's
+        ``verify_mode`` asked for it, or ``auto`` found no exact path and warned), ``none``;
+        ``None`` before its server was probed."""
+        if not self.can_verify:
+            return "none"
+        if self._resolved is None:
+            return None
+        return "judge" if self._resolved[1] == "judge" else "exact"
+
+    @property
     def capabilities(self) -> ServerCapabilities | None:
         """The probed (or given) capabilities; ``None`` before the first probe."""
         return self._caps
@@ -361,8 +373,19 @@ class OpenAIHTTPMember:
                 verify, self.score_path = "logprobs", exact[0]
             elif mode == "auto" and judge_ok:
                 verify = "judge"
+                log.warning(
+                    "%s: the server offers no exact scoring path (%s); the member verifies as a judge, an "
+                    "approximate preference read from a chat answer's top log-probs. Pass verify_mode='logprobs' "
+                    "to refuse anything inexact instead.",
+                    self.name,
+                    "; ".join(caps.notes) or "no echo, prompt-tail, next-token or forced log-probs",
+                )
             else:
-                log.warning("%s: the server exposes no log-probs; the member will not verify", self.name)
+                log.warning(
+                    "%s: the server exposes no log-probs; the member will not verify (it drafts only). Pass "
+                    "verify_mode='logprobs' to refuse such a server instead.",
+                    self.name,
+                )
                 self.can_verify = False
         if self.prompt_source == "plain" and (self.can_draft or verify == "logprobs"):
             log.warning(

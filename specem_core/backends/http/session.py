@@ -153,6 +153,7 @@ class OpenAIHTTPSession(MemberSession):
             "prompt": m.prompt_source,
             "draft": self.draft_mode,
             "verify": self.verify_mode,
+            "verification": m.verification,
             "score_path": self.score_path,
             "draft_prompt_tokens": self._draft_prompt_tokens,
             "draft_cached_tokens": self._draft_cached_tokens,
