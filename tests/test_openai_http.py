@@ -289,9 +289,11 @@ CANDS = [
     Candidate("c", " is", False),
     Candidate("d", "", True),
 ]
-SERVER_TOL = 0.12
-"""Server log-probs vs the in-process evaluation of the same tokens (measured: within 0.08; a
-candidate scored one position off would be off by nats)."""
+SERVER_TOL = 0.2
+"""Server log-probs vs the in-process evaluation of the same tokens (measured: within 0.08 with an
+AVX512 build, 0.15 with this machine's AVX2 build, `` Paris`` after ``Café`` on the forced path:
+the server's batches are not the reference's; a candidate scored one position off would be off by
+nats)."""
 
 
 def new_tokens(reference: Any, committed: str, text: str) -> int:

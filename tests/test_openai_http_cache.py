@@ -104,7 +104,14 @@ def test_one_member_ensemble_writes_the_servers_own_greedy_text(smollm2_server: 
     """Added as the CLI adds it (no ``tokenizer=``): the served model id is a packaged model's name
     (its converted tokenizer) or the GGUF file's path (llama-cpp-python's default id; the template
     the file carries, no conversion). Every turn of the RAG conversation is the text the server's
-    own greedy chat completion writes."""
+    own greedy chat completion writes.
+
+    Which text that is depends on the server's cache: llama-cpp-python evaluates only what a prompt
+    does not share with the previous one, and a prompt prefilled cold and one read from the cache
+    but for its last token can get different greedy text (the numerics of one batch against
+    another: seen with this machine's AVX2 build). So each turn asks the server twice, cold
+    (after an unrelated request) and warm (the same request again), and the ensemble's text must be
+    one of the two; where the server is stable they are the same text."""
     from multiturn import rag_turns
 
     model = "smollm2" if served_as == "smollm2" else str(gguf_path("smollm2"))
@@ -112,17 +119,26 @@ def test_one_member_ensemble_writes_the_servers_own_greedy_text(smollm2_server: 
     engine = SpecEM([member], SpecEMConfig(segment_len=10, max_new_tokens=32))
     system, questions = rag_turns(4, context_lines=8)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
-    for question in questions:
-        messages.append({"role": "user", "content": question})
-        alone = httpx.post(
+
+    def alone(conversation: list[dict[str, str]], max_tokens: int = 32) -> str:
+        answer = httpx.post(
             f"{smollm2_server.base_url}/chat/completions",
-            json={"messages": messages, "max_tokens": 32, "temperature": 0.0, "repeat_penalty": 1.0},
+            json={"messages": conversation, "max_tokens": max_tokens, "temperature": 0.0, "repeat_penalty": 1.0},
             timeout=300,
         ).json()
-        text = alone["choices"][0]["message"]["content"]
+        return str(answer["choices"][0]["message"]["content"])
+
+    unstable = 0
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        alone([{"role": "user", "content": "Say nothing."}], max_tokens=1)  # the next prompt shares nothing
+        cold = alone(messages)
+        warm = alone(messages)  # all but the last token from the cache
+        unstable += cold != warm
         result = engine.generate(messages)
-        assert result.text == text, (question, result.text, text)
-        messages.append({"role": "assistant", "content": text})
+        assert result.text in (cold, warm), (question, result.text, cold, warm)
+        messages.append({"role": "assistant", "content": result.text})
+    assert unstable < len(questions)  # mostly one text: the check is not vacuous
     assert member.prompt_source == "local"
     assert member.modes[0] == "completions"
 
