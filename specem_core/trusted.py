@@ -69,7 +69,7 @@ def choose_trusted(
     index = trusted_drafter(members, weights, learned)
     if index is not None:
         assert learned is not None
-        return index, f"the highest prior in the member weights ({learned.prior_of(members[index].name):g})"
+        return index, f"the highest prior in the member weights: {learned.prior_of(members[index].name):.4g}"
     if learned is None:
         return None, "no member weights and no trusted_member: no member is trusted"
     return None, "the member weights' prior ties: no member is trusted"

@@ -301,7 +301,7 @@ class Trusted:
     member: str | None
     """Its name; ``None``: no member is trusted (the trusted member's rules do nothing)."""
     reason: str
-    """Why: ``named by trusted_member``, ``the highest prior in the member weights (…)``, or why
+    """Why: ``named by trusted_member``, ``the highest prior in the member weights: …``, or why
     none is."""
 
 

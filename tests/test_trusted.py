@@ -28,7 +28,7 @@ def test_the_rule_named_then_the_prior_then_none() -> None:
     assert plain.trusted() == Trusted(None, "no member weights and no trusted_member: no member is trusted")
     assert plain.trusted(trusted_member="b") == Trusted("b", "named by trusted_member")
     priored = SpecEM(pair(), member_weights=MemberWeights({"a": 1.0, "b": 3.0}))
-    assert priored.trusted() == Trusted("b", "the highest prior in the member weights (3)")
+    assert priored.trusted() == Trusted("b", "the highest prior in the member weights: 3")
     assert priored.trusted(trusted_member="a").member == "a"  # the option wins over the prior
     tied = SpecEM(pair(), member_weights=MemberWeights({"a": 2.0, "b": 2.0}))
     assert tied.trusted() == Trusted(None, "the member weights' prior ties: no member is trusted")
