@@ -125,8 +125,7 @@ class SpecEM:
                     f"for {', '.join(unpriored)}: a misspelt member name? The members are {', '.join(names)}"
                 )
         self._weights = weights
-        check_trusted_member(members, self._config.trusted_member)
-        trusted = self.trusted()
+        trusted = self.trusted()  # checks trusted_member
         logger.info("trusted member: %s (%s)", trusted.member or "none", trusted.reason)
 
     @classmethod

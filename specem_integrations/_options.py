@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import typing
@@ -75,9 +74,8 @@ def _surface_type(field_name: str) -> Any:
     return kind | None if type(None) not in typing.get_args(kind) else kind
 
 
-@functools.cache
-def config_options() -> tuple[ConfigOption, ...]:
-    """:data:`CONFIG_OPTIONS`, built on first use (the docs are read from the source)."""
+def _config_options() -> tuple[ConfigOption, ...]:
+    """:data:`CONFIG_OPTIONS` (the docs are read from ``config.py``'s source)."""
     docs = option_docs()
     out = []
     for field_name in USER_OPTIONS:
@@ -92,7 +90,7 @@ def config_options() -> tuple[ConfigOption, ...]:
     return tuple(out)
 
 
-CONFIG_OPTIONS: tuple[ConfigOption, ...] = config_options()
+CONFIG_OPTIONS: tuple[ConfigOption, ...] = _config_options()
 """Every option a user tunes (:data:`specem_core.config.USER_OPTIONS`), as the surfaces take it."""
 
 _BY_NAME = {option.name: option for option in CONFIG_OPTIONS}
@@ -215,7 +213,6 @@ class _EnsembleFieldsBase(BaseModel):
         Raises:
             ConfigError: an unknown option or an invalid value.
         """
-        config_fields(self.engine_options, where=f"{where} engine_options")
         config_of(preset, **self.config_overrides({}, where=where))
 
 
@@ -238,8 +235,6 @@ else:
         __doc__="The fields ``ChatSpecEM`` and ``SpecEMLLM`` share: the ensemble, and every option a user tunes.",
         **_field_definitions(),
     )
-ENSEMBLE_FIELDS: tuple[str, ...] = tuple(_EnsembleFieldsBase.model_fields)
-"""The shared fields that choose the ensemble (and ``timeout``), in declaration order."""
 OPTION_FIELDS: tuple[str, ...] = tuple(option.name for option in CONFIG_OPTIONS)
 """The shared fields of the options a user tunes, named as the surfaces name them."""
 
@@ -259,7 +254,7 @@ def surface_arguments(values: Mapping[str, Any], *, where: str, known: Iterable[
             if key in out:
                 raise ConfigError(f"{where}: {key} given twice (as {key} and as its old name)")
             out[key] = value
-    for spelling, name in {**SPELLINGS, **{f: n for f, n in SURFACE_NAMES.items()}}.items():
+    for spelling, name in SPELLINGS.items():  # the fields' own names among them (max_new_tokens)
         if spelling in out:
             if out.get(name) is not None:
                 raise ConfigError(f"{where}: {name} given twice (as {name} and as {spelling})")
