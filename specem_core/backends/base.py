@@ -54,6 +54,9 @@ class SessionRequest:
     """OpenAI-style tool schemas to render through the member's chat template."""
     seed: int | None = None
     """Seed of this member's sampling stream (already offset per member by the engine)."""
+    scores: bool = True
+    """Whether this request may ask the member to score candidates: ``False`` where fewer than two
+    members draft (a member alone), so that a server member need not learn how its server scores."""
 
 
 @runtime_checkable
@@ -161,8 +164,9 @@ class ProbingMember(Protocol):
     """A member on a server that learns what the server offers (scoring paths, a chat template)
     before its first request; probing at start-up says what it lacks then, not mid-request."""
 
-    def probe(self) -> object:
-        """Ask the server what it offers (cached: later calls return the first answer)."""
+    def probe(self, *, scoring: bool = True) -> object:
+        """Ask the server what it offers (cached: later calls return the first answer);
+        ``scoring=False`` asks only what drafting needs (an ensemble whose members never vote)."""
         ...
 
 

@@ -119,7 +119,7 @@ class Readiness:
 
     def _probe(self, name: str, member: ProbingMember) -> None:
         try:
-            member.probe()
+            member.probe(scoring=len(self._drafters) >= 2)  # a member alone never scores
         except Exception as exc:
             lines = str(exc).strip().splitlines()
             status = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

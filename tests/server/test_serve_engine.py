@@ -5,7 +5,7 @@ that are :class:`~specem_core.backends.base.BreakerMember`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -62,9 +62,11 @@ def test_without_session_counting_no_observer_is_registered() -> None:
 class _Probed(ScriptedMember):
     probe_error: str = ""
     probes: int = 0
+    scoring: list[bool] = field(default_factory=list)
 
-    def probe(self) -> object:
+    def probe(self, *, scoring: bool = True) -> object:
         self.probes += 1
+        self.scoring.append(scoring)
         if self.probe_error:
             raise ConnectionError(self.probe_error)
         return {}
@@ -82,6 +84,10 @@ def test_readiness_probes_the_probing_members_only() -> None:
     assert readiness.members() == {"plain": "ok", "remote": "ok", "down": "ConnectionError: refused"}
     assert readiness.ready
     assert (remote.probes, down.probes) == (1, 1)
+    assert remote.scoring == [True]  # plain and remote draft: they vote, so how servers score is asked
+    alone = _Probed("alone", drafts=[("x", True)])
+    Readiness([alone])._probe_all()
+    assert alone.scoring == [False]  # a member alone never scores
 
 
 class _Breaker:

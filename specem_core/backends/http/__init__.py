@@ -20,6 +20,10 @@ import contract keep it so):
 * :mod:`~specem_core.backends.http.tokenizer` — the member's optional local tokenizer.
 * :mod:`~specem_core.backends.http.interface` — what a session needs of its member (a protocol)
   and the member's counters.
+* :mod:`~specem_core.backends.http.probe_cache` — what probes found, kept per server in the
+  process and on disk (a new process asks its servers nothing it asked before).
+* :mod:`~specem_core.backends.http.modes` — the draft and verify modes decided from what a probe
+  found.
 * :mod:`~specem_core.backends.http.judge_scoring` — the judge verify mode's round.
 * :mod:`~specem_core.backends.http.token_scoring` — exact scoring that reads the server's prefix
   cache (the ``prompt_tail``, ``next_token`` and ``forced`` scoring paths).

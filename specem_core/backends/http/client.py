@@ -126,6 +126,11 @@ class Inflight:
             future.cancel()
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The members' event loop (one daemon thread; every member's ``AsyncClient`` lives there)."""
+    return _Loop.get()
+
+
 def run_sync(coro: Coroutine[Any, Any, T], *, track: Inflight | None = None) -> T:
     """Run ``coro`` on the background loop and wait for it (from any thread but that loop's)."""
     loop = _Loop.get()

@@ -54,6 +54,7 @@ class ServerMember(Protocol):
     base_url: str
     client: OpenAIClient
     draft_mode: DraftMode
+    verify_mode: VerifyMode
     tokenizer: Any
     chat: ChatFormat | None
     end_of_turn: str | None
@@ -65,16 +66,22 @@ class ServerMember(Protocol):
     prompt_source: PromptSource
 
     @property
-    def modes(self) -> tuple[DraftMode, VerifyMode | None]: ...
+    def draft_mode_in_use(self) -> DraftMode: ...
+
+    @property
+    def known_verify_mode(self) -> tuple[bool, VerifyMode | None]: ...
+
+    @property
+    def probe_was_cached(self) -> bool: ...
+
+    async def averify_mode(self) -> VerifyMode | None: ...
+
+    async def reprobe_scoring(self) -> VerifyMode | None: ...
 
     @property
     def add_special_tokens(self) -> bool: ...
 
     def completion_fields(self) -> dict[str, Any]: ...
-
-    async def render_on_server(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-    ) -> tuple[str, int]: ...
 
     @property
     def context_window(self) -> int | None: ...
@@ -90,6 +97,8 @@ class ServerMember(Protocol):
     def greedy_body(self) -> dict[str, Any]: ...
 
     def body(self, **fields: Any) -> dict[str, Any]: ...
+
+    def prompt_source_for(self, caps: ServerCapabilities) -> PromptSource: ...
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None

@@ -42,15 +42,15 @@ candidate instead (:func:`~specem_core.backends.http.judge_scoring.judge_scores`
 :mod:`specem_core.backends.http.judge_prompt`; :class:`~specem_core.backends.http.judge.APIJudgeMember`
 is a member that only judges).
 
-**Probing.** Before the first request (or on :meth:`OpenAIHTTPMember.probe`) each server is
-probed with a prompt in the member's own format and a known continuation (counting): whether echo
-log-probs are aligned with their tokens or shifted by one position (llama-cpp-python pairs each
-prompt token with the distribution *after* it unless the prompt started with BOS), what
-``max_tokens=0`` means (vLLM: nothing generated; llama-cpp-python: unlimited), whether assistant
-prefill works and whether chat log-probs exist. A shifted server is corrected by reading each
-token's log-prob from the previous slot's ``top_logprobs``; a token missing there, an alignment
-that cannot be established, or a response whose own greedy token contradicts the probed alignment
-raises :class:`~specem_core.backends.http.errors.AlignmentError` (or, for missing tokens with
+**Probing.** At its first request each member asks its server what drafting needs, and how it
+scores only when it first scores (never, for a member alone); the answers are kept per server, in
+the process and on disk (:mod:`~specem_core.backends.http.probe_cache`). The requests are
+:mod:`~specem_core.backends.http.probing`'s, what they decide (echo alignment, shifted servers,
+``max_tokens=0``, prefill, the scoring paths) :mod:`~specem_core.backends.http.probe`'s, the modes
+:mod:`~specem_core.backends.http.modes`'. A shifted echo is corrected from the previous slot's
+``top_logprobs``; a token missing there, an alignment that cannot be established, or a response
+whose greedy token contradicts the probed alignment raises
+:class:`~specem_core.backends.http.errors.AlignmentError` (or, for missing tokens with
 ``strict_scoring=False``, uses the slot's lowest listed log-prob as a bound and counts it in
 ``member.stats``). Nothing is mis-scored silently.
 
@@ -63,6 +63,8 @@ probe's requests :mod:`specem_core.backends.http.probing`'s, what they decide
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -74,20 +76,23 @@ import httpx
 from pydantic import SecretStr
 
 from specem_core.backends.base import SamplingParams, SessionRequest, Verification
-from specem_core.backends.http import probing
+from specem_core.backends.http import probe_cache, probing
 from specem_core.backends.http.client import (
     BreakerPolicy,
     CircuitBreaker,
     OpenAIClient,
     RetryPolicy,
+    event_loop,
     log,
     run_async,
     run_sync,
 )
-from specem_core.backends.http.errors import CapabilityError, HTTPMemberError, ServerResponseError
+from specem_core.backends.http.errors import HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats
 from specem_core.backends.http.judge_prompt import JudgeOptions
+from specem_core.backends.http.modes import draft_mode_for, verify_mode_for, warn_plain_prompt
 from specem_core.backends.http.probe import (
+    PROBE_QUESTION,
     SCORE_PATHS,
     DraftMode,
     PromptSource,
@@ -97,11 +102,11 @@ from specem_core.backends.http.probe import (
     VerifyMode,
     context_from_models,
     is_fatal,
-    root_url,
     server_kind,
+    without_scoring,
 )
+from specem_core.backends.http.probe_cache import ProbeKey, member_fingerprint
 from specem_core.backends.http.session import OpenAIHTTPSession
-from specem_core.backends.http.token_scoring import token_list
 from specem_core.backends.http.tokenizer import TemplateOnly, end_of_turn_token, load_tokenizer, stop_token_ids
 from specem_core.chat_format import ChatFormat, flatten_tool_turns, render_plain, with_tool_instructions
 
@@ -150,6 +155,9 @@ class OpenAIHTTPMember:
         breaker: the circuit breaker policy of this member's server
             (:class:`~specem_core.backends.http.client.BreakerPolicy`): while the server is down the
             member is excluded from requests at once, and used again once a probe gets an answer.
+        probe_cache: keep what the probe finds on disk too, so that a new process asks the server
+            nothing it asked before (:mod:`~specem_core.backends.http.probe_cache`; ``False``: in
+            this process only, as ``SPECEM_PROBE_CACHE=0`` does for every member).
     """
 
     def __init__(
@@ -182,6 +190,7 @@ class OpenAIHTTPMember:
         max_connections: int = 32,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         breaker: BreakerPolicy | None = None,
+        probe_cache: bool = True,
     ) -> None:
         if draft_mode not in ("auto", "completions", "chat_prefill", "chat_continue"):
             raise ValueError(f"unknown draft_mode {draft_mode!r}")
@@ -221,10 +230,22 @@ class OpenAIHTTPMember:
         self._server_prompt = server_prompt
         self._use_tokenizer(tokenizer, chat_template)
         self.judge_options: JudgeOptions = judge if judge is not None else JudgeOptions()
-        self._caps = capabilities
+        # given capabilities are the whole answer: nothing is asked, scoring included
+        self._caps = replace(capabilities, scoring_probed=True) if capabilities is not None else None
         self._kind: ServerKind = "generic"
         self._probe_lock = threading.Lock()
-        self._resolved: tuple[DraftMode, VerifyMode | None] | None = None
+        self._scoring_lock = threading.Lock()
+        """Guards starting the scoring probe; never held while waiting for the event loop (the
+        loop's own requests take it)."""
+        self._probe_cache = probe_cache
+        self._probe_key: ProbeKey | None = None
+        self._cached = False
+        """The capabilities came from the probe cache (a refused path then forgets them)."""
+        self._draft: DraftMode | None = None
+        self._verify: VerifyMode | None = None
+        self._verify_resolved = False
+        self._scoring: concurrent.futures.Future[ServerCapabilities] | None = None
+        """The scoring half of the probe, once started (shared by every request that waits for it)."""
         self.score_path: ScorePath | None = None
         """The exact scoring path in use (resolved by the probe; ``None`` for the judge)."""
         self.prompt_source: PromptSource = "local" if self.chat is not None else "plain"
@@ -267,12 +288,12 @@ class OpenAIHTTPMember:
         """How this member verifies (:class:`~specem_core.backends.base.VerificationMember`):
         ``exact`` (a scoring path: ``score_path``), ``judge`` (approximate: the member's
         ``verify_mode`` asked for it, or ``auto`` found no exact path and warned), ``none``;
-        ``None`` before its server was probed."""
+        ``None`` before its server was asked how it scores (a member alone never is)."""
         if not self.can_verify:
             return "none"
-        if self._resolved is None:
+        if not self._verify_resolved:
             return None
-        return "judge" if self._resolved[1] == "judge" else "exact"
+        return "judge" if self._verify == "judge" else "exact"
 
     @property
     def capabilities(self) -> ServerCapabilities | None:
@@ -280,8 +301,12 @@ class OpenAIHTTPMember:
         return self._caps
 
     def open(self, request: SessionRequest) -> OpenAIHTTPSession:
-        """Probe the server once (first request), then start a session."""
-        self.probe()
+        """Probe what drafting needs once (first request), then start a session; how the server
+        scores is asked when the request first scores (never for a member alone), started beside
+        the first draft where the server runs requests side by side (vLLM, SGLang)."""
+        self.probe(scoring=False)
+        if request.scores and self.can_verify and self._server() in ("vllm", "sglang"):
+            self._scoring_probe()
         return OpenAIHTTPSession(self, request)
 
     def __repr__(self) -> str:
@@ -309,11 +334,22 @@ class OpenAIHTTPMember:
     def modes(self) -> tuple[DraftMode, VerifyMode | None]:
         """The resolved (draft, verify) modes; probes first if needed."""
         self.probe()
-        assert self._resolved is not None
-        return self._resolved
+        assert self._draft is not None
+        return self._draft, self._verify
 
-    def probe(self, *, force: bool = False) -> ServerCapabilities:
+    @property
+    def draft_mode_in_use(self) -> DraftMode:
+        """How this member drafts (probes what drafting needs first, if needed)."""
+        self.probe(scoring=False)
+        assert self._draft is not None
+        return self._draft
+
+    def probe(self, *, force: bool = False, scoring: bool = True) -> ServerCapabilities:
         """Find out what the server supports (once; thread-safe) and resolve the modes.
+
+        The answers are cached per server (:mod:`~specem_core.backends.http.probe_cache`): in this
+        process and on disk, so a new process asks nothing it asked before. ``scoring=False`` asks
+        only what drafting needs (a member alone never scores); ``force`` asks again.
 
         Raises:
             HTTPMemberError: the server is unreachable.
@@ -321,85 +357,78 @@ class OpenAIHTTPMember:
         """
         with self._probe_lock:
             if self._caps is None or force:
-                self._caps = run_sync(self._aprobe())
-                for note in self._caps.notes:
-                    log.info("%s: %s", self.name, note)
-            if self._resolved is None or force:
-                self._resolved = self._resolve(self._caps)
-            return self._caps
+                if force and self._probe_key is not None:
+                    probe_cache.forget(self._probe_key)
+                self._caps = run_sync(self._aprobe_drafting(force=force))
+                self._draft = None
+                if force:
+                    self._scoring, self._verify_resolved = None, False
+            if self._draft is None:
+                self._draft = self._resolve_draft(self._caps)
+            if self._caps.scoring_probed and not self._verify_resolved:  # from the probe cache
+                self._verify, self._verify_resolved = self._resolve_verify(self._caps), True
+        if scoring and self.can_verify:
+            return self._scoring_probe().result()
+        return self._caps
 
-    def _resolve(self, caps: ServerCapabilities) -> tuple[DraftMode, VerifyMode | None]:
+    def _scoring_probe(self) -> concurrent.futures.Future[ServerCapabilities]:
+        """The scoring half of the probe, started once on the members' event loop (a failed one
+        is started again by the next caller)."""
+        with self._scoring_lock:
+            running = self._scoring
+            if running is None or (running.done() and (running.cancelled() or running.exception() is not None)):
+                running = self._scoring = asyncio.run_coroutine_threadsafe(self._aprobe_scoring(), event_loop())
+            return running
+
+    @property
+    def probe_was_cached(self) -> bool:
+        """Whether the capabilities in use came from the probe cache (not asked in this process)."""
+        return self._cached
+
+    @property
+    def known_verify_mode(self) -> tuple[bool, VerifyMode | None]:
+        """(resolved, the verify mode): known without a request once the server was asked how it
+        scores, in this process or before (the probe cache)."""
+        return self._verify_resolved, self._verify
+
+    async def averify_mode(self) -> VerifyMode | None:
+        """How this member verifies, asking its server how it scores first if nobody has (from the
+        members' event loop; a cancelled request does not cancel the probe others wait for)."""
+        if self.can_verify:
+            await asyncio.shield(asyncio.wrap_future(self._scoring_probe()))
+        return self._verify if self.can_verify else None
+
+    async def reprobe_scoring(self) -> VerifyMode | None:
+        """Ask the server how it scores again (a cached scoring path was refused: the server was
+        restarted with other flags): forgets the cached answer, logs it and resolves the mode anew."""
+        with self._scoring_lock:
+            if self._probe_key is not None:
+                probe_cache.forget(self._probe_key)
+            if self._caps is not None:
+                self._caps = without_scoring(self._caps)
+            self._scoring, self._verify_resolved, self._cached = None, False, False
+        log.warning("%s: the server refused the scoring path its cached probe named; probing it again", self.name)
+        return await self.averify_mode()
+
+    def _resolve_draft(self, caps: ServerCapabilities) -> DraftMode:
         if self.model is None and caps.model is not None:
             self.model = caps.model
         self.prompt_source = self.prompt_source_for(caps)
-        draft: DraftMode = self.draft_mode
-        if draft == "auto":
-            if caps.completions and self.prompt_source != "plain":
-                draft = "completions"
-            elif caps.chat_prefill:
-                draft = "chat_prefill"
-            elif caps.chat:
-                draft = "chat_continue"
-            elif caps.completions:
-                draft = "completions"
-            elif self.can_draft:
-                raise CapabilityError(f"{self.name}: the server offers neither completions nor chat completions")
-        elif self.can_draft:
-            need = {
-                "completions": caps.completions,
-                "chat_prefill": bool(caps.chat_prefill),
-                "chat_continue": caps.chat,
-            }
-            if not need[draft]:
-                raise CapabilityError(f"{self.name}: draft_mode={draft!r} is not supported by the server")
-        verify: VerifyMode | None = None
+        draft = draft_mode_for(self.name, self.draft_mode, self.can_draft, caps, self.prompt_source)
+        if self.prompt_source == "plain" and self.can_draft:
+            warn_plain_prompt(self.name, self.model, draft)
+        return draft
+
+    def _resolve_verify(self, caps: ServerCapabilities) -> VerifyMode | None:
         self.score_path = None
-        if self.can_verify:
-            exact = caps.score_paths
-            judge_ok = bool(caps.chat and caps.chat_logprobs)
-            mode = self.verify_mode
-            if mode in SCORE_PATHS and mode not in exact:
-                offered = ", ".join(exact) or "no exact path"
-                raise CapabilityError(f"{self.name}: verify_mode={mode!r} is not supported by the server ({offered})")
-            if mode == "logprobs" and not exact:
-                raise CapabilityError(f"{self.name}: verify_mode='logprobs' needs an exact scoring path (none found)")
-            if mode == "judge" and not judge_ok:
-                raise CapabilityError(f"{self.name}: verify_mode='judge' needs chat completions with logprobs")
-            if mode == "judge":
-                verify = "judge"
-            elif mode in SCORE_PATHS:
-                verify, self.score_path = "logprobs", next(p for p in SCORE_PATHS if p == mode)
-            elif exact:
-                verify, self.score_path = "logprobs", exact[0]
-            elif mode == "auto" and judge_ok:
-                verify = "judge"
-                log.warning(
-                    "%s: the server offers no exact scoring path (%s); the member verifies as a judge, an "
-                    "approximate preference read from a chat answer's top log-probs. Pass verify_mode='logprobs' "
-                    "to refuse anything inexact instead.",
-                    self.name,
-                    "; ".join(caps.notes) or "no echo, prompt-tail, next-token or forced log-probs",
-                )
-            else:
-                log.warning(
-                    "%s: the server exposes no log-probs; the member will not verify (it drafts only). Pass "
-                    "verify_mode='logprobs' to refuse such a server instead.",
-                    self.name,
-                )
-                self.can_verify = False
-        if self.prompt_source == "plain" and (self.can_draft or verify == "logprobs"):
-            log.warning(
-                "%s: no chat template for model %r: none was given, none was found for the served model id on "
-                "this machine (a packaged model's name, a .gguf file, a tokenizer directory, an HF id in the "
-                "local cache), and the server does not render conversations; drafts go through %s and scores "
-                "use the plain prompt format, so the text is not the model's own at segment boundaries. Pass "
-                "tokenizer=<HF id or tokenizer directory> (load_member / OpenAIHTTPMember), or serve the model "
-                "under the name of a packaged model or of an HF id in the local cache.",
-                self.name,
-                self.model,
-                draft if self.can_draft else "no draft",
-            )
-        return draft, verify
+        if not self.can_verify:
+            return None
+        verify, self.score_path = verify_mode_for(self.name, self.verify_mode, caps)
+        if verify is None:
+            self.can_verify = False
+        if self.prompt_source == "plain" and verify == "logprobs" and not self.can_draft:
+            warn_plain_prompt(self.name, self.model, None)
+        return verify
 
     # -- request bodies ----------------------------------------------------------------------
     def _server(self) -> ServerKind:
@@ -455,24 +484,6 @@ class OpenAIHTTPMember:
             return {"add_special_tokens": False}
         return {}
 
-    async def render_on_server(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-    ) -> tuple[str, int]:
-        """The prompt text the server's own chat template makes of ``messages`` and its token count
-        (vLLM: ``/tokenize`` with messages, then ``/detokenize``)."""
-        root = root_url(self.base_url)
-        body: dict[str, Any] = {"messages": self.chat_messages(messages, tools), "add_generation_prompt": True}
-        if self.model is not None:
-            body["model"] = self.model
-        ids = token_list(await self.client.post(f"{root}/tokenize", body))
-        detok: dict[str, Any] = {"tokens": ids}
-        if self.model is not None:
-            detok["model"] = self.model
-        text = (await self.client.post(f"{root}/detokenize", detok)).get("prompt")
-        if not isinstance(text, str):
-            raise ServerResponseError("detokenize answer has no prompt text")
-        return text, len(ids)
-
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
         """The member's own prompt text (chat template when known, else the plain format)."""
         if self.chat is not None:
@@ -490,7 +501,10 @@ class OpenAIHTTPMember:
         return with_tool_instructions(msgs, tools) if tools else msgs
 
     # -- probing -----------------------------------------------------------------------------
-    async def _aprobe(self) -> ServerCapabilities:
+    async def _aprobe_drafting(self, *, force: bool = False) -> ServerCapabilities:
+        """What drafting needs: the server software and model (``/v1/models``), the chat template,
+        the server's tokenizer endpoint, completions or chat completions; from the probe cache when
+        this server was asked before (``/v1/models`` and the version are always asked: they key it)."""
         client = self.client
         notes: list[str] = []
         kind: ServerKind = "generic"
@@ -512,56 +526,65 @@ class OpenAIHTTPMember:
             model = str(first) if first is not None else None
             self.model = model
         if self.chat is None and self._template_resolver is not None and model:
-            found = self._template_resolver(model)
+            # loading a tokenizer takes seconds of CPU: off the loop every member's requests share
+            found = await asyncio.to_thread(self._template_resolver, model)
             if found is not None:
-                self._use_tokenizer(found, None)
+                await asyncio.to_thread(self._use_tokenizer, found, None)
                 if self.chat is not None:
                     notes.append(f"chat template of {model!r} found on this machine")
+        self._probe_key = ProbeKey(
+            base_url=self.base_url,
+            model=model,
+            server=kind,
+            version=await probing.server_version(self, kind),
+            member=self._fingerprint(),
+        )
+        cached = None if force else probe_cache.load(self._probe_key, disk=self._probe_cache)
+        if cached is not None:
+            self._cached = True
+            return cached
+        self._cached = False
         caps = ServerCapabilities(server=kind, model=model, context_window=context_from_models(entries, model))
         caps = replace(caps, notes=tuple(notes))
-        need_completions = self.draft_mode in ("auto", "completions") or self.verify_mode not in ("judge",)
-        if need_completions:
-            caps = await probing.probe_echo(self, caps)
-        if kind in ("vllm", "llama-cpp-python"):
-            caps = await probing.probe_tokenizer(self, caps, kind)
-        scores = self.can_verify and self.verify_mode != "judge"
-        if (
-            scores
-            and caps.completions
-            and caps.tokenize == "vllm"
-            and self.verify_mode in ("auto", "logprobs", "prompt_tail", "next_token")
-        ):
-            caps = await probing.probe_next_token(self, caps)
-        if scores and caps.next_token_logprobs and self.verify_mode in ("auto", "logprobs", "prompt_tail"):
-            caps = await probing.probe_prompt_tail(self, caps)
-        if (
-            scores
-            and caps.completions
-            and caps.tokenize == "llama-cpp-python"
-            and self.verify_mode in ("auto", "logprobs", "forced")
-        ):
-            caps = await probing.probe_forced(self, caps)
-        paths: list[ScorePath] = []
-        if caps.prompt_tail:
-            paths.append("prompt_tail")
-        if caps.next_token_logprobs:
-            paths.append("next_token")
-        if caps.token_grammar:
-            paths.append("forced")
-        if caps.completions and caps.echo_logprobs and caps.echo_shift is not None:
-            paths.append("echo")
-        caps = replace(caps, score_paths=tuple(paths))
-        exact_prompt = self.prompt_source_for(caps) != "plain"
-        need_chat = (
-            not caps.completions
-            or self.draft_mode in ("chat_prefill", "chat_continue")
-            or (self.draft_mode == "auto" and not exact_prompt and self.can_draft)
-            or self.verify_mode == "judge"
-            or (self.verify_mode == "auto" and not caps.score_paths and self.can_verify)
-        )
-        if need_chat:
-            caps = await probing.probe_chat(self, caps)
+        caps = await probing.probe_drafting(self, caps, self.can_draft)
+        for note in caps.notes:
+            log.info("%s: %s", self.name, note)
+        probe_cache.store(self._probe_key, caps, disk=self._probe_cache)
         return caps
+
+    async def _aprobe_scoring(self) -> ServerCapabilities:
+        """How the server scores: its exact scoring paths, fastest first, echo log-probs and chat
+        log-probs (the judge), each asked only where this member's ``verify_mode`` may use it and
+        with requests of a few tokens; then the verify mode is resolved (and cached)."""
+        caps = self._caps
+        assert caps is not None, "the drafting probe runs first"
+        if caps.scoring_probed:
+            if not self._verify_resolved:
+                self._verify, self._verify_resolved = self._resolve_verify(caps), True
+            return caps
+        known = len(caps.notes)
+        caps = await probing.probe_scoring(self, caps)
+        caps = replace(caps, scoring_probed=True)
+        for note in caps.notes[known:]:
+            log.info("%s: %s", self.name, note)
+        self._caps = caps
+        self._verify, self._verify_resolved = self._resolve_verify(caps), True
+        if self._probe_key is not None:
+            probe_cache.store(self._probe_key, caps, disk=self._probe_cache)
+        return caps
+
+    def _fingerprint(self) -> str:
+        """This member's side of the probe (the probe cache's key)."""
+        prompt = self.render_prompt([{"role": "user", "content": PROBE_QUESTION}], None)
+        return member_fingerprint(
+            prompt=prompt,
+            draft_mode=self.draft_mode,
+            verify_mode=self.verify_mode,
+            can_draft=self.can_draft,
+            server_prompt=self._server_prompt,
+            top_logprobs=self.top_logprobs,
+            extra_body=self.extra_body,
+        )
 
     def prompt_source_for(self, caps: ServerCapabilities) -> PromptSource:
         """Where the prompt text comes from with these capabilities (see :attr:`prompt_source`)."""

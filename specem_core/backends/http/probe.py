@@ -39,7 +39,7 @@ The scoring paths, all exact (the mean log-prob of the candidate's tokens as the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from specem_core.backends.http.alignment import EchoLogprobs, align_echo, top_token
@@ -56,9 +56,10 @@ CACHE_PATHS: tuple[ScorePath, ...] = ("prompt_tail", "next_token", "forced")
 """The paths that read the server's prefix cache (:mod:`specem_core.backends.http.token_scoring`)."""
 ServerKind = Literal["vllm", "sglang", "llama-cpp-python", "llama.cpp", "openai", "generic"]
 MaxTokensZero = Literal["zero", "unlimited", "rejected", "unknown"]
-TokenizeAPI = Literal["vllm", "llama-cpp-python"]
+TokenizeAPI = Literal["vllm", "llama-cpp-python", "llama.cpp"]
 """The server's own tokenizer endpoint: vLLM's ``/tokenize`` (text or messages) and
-``/detokenize``; llama-cpp-python's ``/extras/tokenize``."""
+``/detokenize``; llama-cpp-python's ``/extras/tokenize``; llama-server's ``/tokenize`` (text, with
+each token's piece) and ``/apply-template`` (a conversation)."""
 PromptSource = Literal["local", "server", "plain"]
 """Where a member's prompt text comes from: its own chat template (``local``), the server
 rendering the conversation (``server``: vLLM's ``/tokenize`` with messages), or the plain format."""
@@ -94,6 +95,9 @@ class ServerCapabilities:
     """``usage.prompt_tokens_details.cached_tokens`` in answers (vLLM ``--enable-prompt-tokens-details``)."""
     score_paths: tuple[ScorePath, ...] = ()
     """The exact scoring paths this server offers, fastest first (module docstring)."""
+    scoring_probed: bool = False
+    """Whether the scoring half of the probe ran (``score_paths``, echo, chat log-probs): a member
+    that never verifies in a request (one member alone) never asks."""
     notes: tuple[str, ...] = ()
 
     @property
@@ -107,11 +111,34 @@ class ServerCapabilities:
         return self.score_path in CACHE_PATHS
 
 
+def without_scoring(caps: ServerCapabilities) -> ServerCapabilities:
+    """``caps`` with what the scoring half of the probe found forgotten (to be asked again)."""
+    return replace(
+        caps,
+        echo_logprobs=False,
+        echo_shift=None,
+        max_tokens_zero="unknown",
+        next_token_logprobs=False,
+        prompt_tail=False,
+        token_grammar=False,
+        reports_cached_tokens=False,
+        score_paths=(),
+        scoring_probed=False,
+    )
+
+
 PROBE_QUESTION = "Count from 1 to 40, separated by commas."
 PROBE_ANSWER = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"
 """A continuation every instruct model predicts token by token: echo log-probs whose top-1
 prediction matches the *next* echoed token are shifted by one."""
 PREFILL_ANSWER = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+PROBE_SCORED = "1, 2, 3"
+"""What the scoring paths' probes score after the probe question: a few tokens (on
+llama-cpp-python every listed log-prob costs a sort of the vocabulary in Python, about 0.2 s)."""
+SHORT_ECHO = ("one two three", " four five")
+"""The forced path's probe text and the words it scores after it, echoed too: where a server
+forces tokens (llama.cpp), the echo's alignment is decided by comparing the two
+(:func:`decide_shift_by_values`) on a few tokens instead of the predictions of a long echo."""
 
 
 def root_url(base_url: str) -> str:
@@ -174,6 +201,38 @@ def decide_shift(sent: str, prompt_len: int, echo: EchoLogprobs) -> int | None:
     if shifted >= 0.6 * total and shifted >= 2 * aligned + 1:
         return 1
     return None
+
+
+def decide_shift_by_values(
+    sent: str, region_start: int, echo: EchoLogprobs, exact: Sequence[float], tolerance: float = 0.1
+) -> int | None:
+    """From the echo of ``sent`` (one token generated greedily after it), whose text from
+    ``region_start`` on was also scored exactly (``exact``: its tokens' log-probs, from the forced
+    path): 0 when each echoed token's own log-prob is the exact one; 1 when none is, the last
+    prompt slot's top token is the one generated after it (the slots are one ahead: llama-cpp-python
+    without a BOS at the start) and every text token the slot before it lists has the exact
+    value; ``None`` otherwise."""
+    alignment = align_echo(sent, echo, region_start=region_start, text_end=len(sent))
+    idx = alignment.text_entries
+    if not idx or len(idx) != len(exact):
+        return None
+    own = [echo.token_logprobs[j] for j in idx]
+    if all(v is not None and abs(v - x) <= tolerance for v, x in zip(own, exact, strict=True)):
+        return 0
+    if any(v is not None and abs(v - x) <= tolerance for v, x in zip(own, exact, strict=True)):
+        return None
+    generated = echo.text[len(sent) :]
+    last = echo.top_logprobs[idx[-1]]
+    if not generated or not isinstance(last, dict) or top_token(last) is None:
+        return None
+    if not generated.startswith(str(top_token(last))):
+        return None
+    for n, j in enumerate(idx):
+        previous = echo.top_logprobs[j - 1] if j >= 1 else None
+        value = previous.get(echo.tokens[j]) if isinstance(previous, dict) else None
+        if value is not None and abs(value - exact[n]) > tolerance:
+            return None
+    return 1
 
 
 def is_fatal(exc: HTTPMemberError) -> bool:

@@ -1,13 +1,15 @@
 """Reading servers' answers: the first choice, a log-prob value, a chat answer's text and the
-alternatives of its first generated token. Anything malformed raises
+alternatives of its first generated token, llama-server's native ``/completion`` answers (usage,
+the forced tokens' log-probs). Anything malformed raises
 :class:`~specem_core.backends.http.errors.ServerResponseError`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
-from specem_core.backends.http.errors import ServerResponseError
+from specem_core.backends.http.errors import AlignmentError, ServerResponseError
 
 LOGPROB_FLOOR = -1.0e4
 """Log-probs below this (or -inf) are clamped, so means and softmaxes stay finite."""
@@ -81,3 +83,34 @@ def chat_top_logprobs(body: Any) -> list[tuple[str, float]] | None:
     if isinstance(token, str) and value is not None and all(t != token for t, _ in out):
         out.append((token, value))
     return out
+
+
+def native_usage(answer: Any, prompt: int) -> dict[str, Any]:
+    """A llama-server ``/completion`` answer's prompt tokens and what it read from its KV cache
+    (``timings.cache_n``), as an OpenAI ``usage`` (``prompt``: the tokens sent, where it says none)."""
+    timings = answer.get("timings") if isinstance(answer, dict) else None
+    cached = timings.get("cache_n") if isinstance(timings, dict) else None
+    evaluated = answer.get("tokens_evaluated") if isinstance(answer, dict) else None
+    return {
+        "prompt_tokens": evaluated if isinstance(evaluated, int) else prompt,
+        "prompt_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else None},
+    }
+
+
+def completion_logprobs(answer: Any, expected: Sequence[int]) -> list[float]:
+    """The log-probs of the tokens a llama-server ``/completion`` answer generated (its
+    ``completion_probabilities``, from the logits before sampling), which must be ``expected``.
+
+    Raises:
+        AlignmentError: other tokens, or another number of them, came back.
+    """
+    rows = answer.get("completion_probabilities") if isinstance(answer, dict) else None
+    if not isinstance(rows, list):
+        raise ServerResponseError("the answer has no completion_probabilities (n_probs)")
+    ids = [row.get("id") if isinstance(row, dict) else None for row in rows]
+    if ids != list(expected):
+        raise AlignmentError(f"the server generated tokens {ids} where {list(expected)} were forced")
+    values = [logprob_value(row.get("logprob")) for row in rows]
+    if any(v is None for v in values):
+        raise AlignmentError("a forced token came back without its log-prob")
+    return [float(v) for v in values if v is not None]

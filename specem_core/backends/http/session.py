@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
@@ -24,19 +24,23 @@ from specem_core.backends.http.continuation import CONTINUE_PROMPT, continuation
 from specem_core.backends.http.errors import (
     AlignmentError,
     CapabilityError,
+    HTTPMemberError,
     RequestCancelledError,
     ServerResponseError,
 )
 from specem_core.backends.http.interface import ServerMember
 from specem_core.backends.http.judge_scoring import judge_scores
-from specem_core.backends.http.probe import CACHE_PATHS
+from specem_core.backends.http.probe import CACHE_PATHS, ScorePath, VerifyMode, root_url
 from specem_core.backends.http.responses import chat_content, first_choice
 from specem_core.backends.http.token_scoring import (
+    DraftTokens,
     ScoreCounts,
     TokenScorer,
     cached_tokens,
     draft_tokens,
+    llama_server_draft_tokens,
     prompt_tokens,
+    token_list,
 )
 from specem_core.backends.http.tokenizer import TemplateOnly
 from specem_core.chat_format import PLAIN_TURN_STOPS
@@ -46,6 +50,35 @@ from specem_core.types import Candidate, CandidateScore, Draft
 
 T = TypeVar("T")
 
+REFUSED = frozenset({403, 404, 405, 501})
+"""Statuses that say a scoring path is not offered (not that a request failed)."""
+
+
+async def render_on_server(
+    member: ServerMember, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> tuple[str, int]:
+    """The prompt text the server's own chat template makes of ``messages`` and its token count
+    (vLLM: ``/tokenize`` with messages, then ``/detokenize``; llama-server: ``/apply-template``,
+    then ``/tokenize``)."""
+    root = root_url(member.base_url)
+    caps = member.capabilities
+    if caps is not None and caps.server == "llama.cpp":
+        rendered = await member.client.post(
+            f"{root}/apply-template", {"messages": member.chat_messages(messages, tools)}
+        )
+        prompt = rendered.get("prompt") if isinstance(rendered, dict) else None
+        if not isinstance(prompt, str):
+            raise ServerResponseError("apply-template answer has no prompt text")
+        counted = await member.client.post(f"{root}/tokenize", {"content": prompt, "add_special": True})
+        return prompt, len(token_list(counted))
+    model = {"model": member.model} if member.model is not None else {}
+    body: dict[str, Any] = {**model, "messages": member.chat_messages(messages, tools), "add_generation_prompt": True}
+    ids = token_list(await member.client.post(f"{root}/tokenize", body))
+    text = (await member.client.post(f"{root}/detokenize", {**model, "tokens": ids})).get("prompt")
+    if not isinstance(text, str):
+        raise ServerResponseError("detokenize answer has no prompt text")
+    return text, len(ids)
+
 
 class OpenAIHTTPSession(MemberSession):
     """One request's state: the prompt, the committed text, the in-flight requests."""
@@ -53,22 +86,27 @@ class OpenAIHTTPSession(MemberSession):
     def __init__(self, member: ServerMember, request: SessionRequest) -> None:
         self._m = member
         self._request = request
-        draft_mode, verify_mode = member.modes
-        self.draft_mode = draft_mode
-        self.verify_mode = verify_mode
+        self.draft_mode = member.draft_mode_in_use
+        self.verify_mode: VerifyMode | None = None
+        """How this session verifies; known once the server was asked how it scores (``None``
+        before, and for the judge's absence)."""
+        self.score_path: ScorePath | None = None
+        """How this session scores (``None``: the judge, no verification, or not known yet)."""
+        self._score_counts = ScoreCounts()
+        self._scorer: TokenScorer | None = None
+        self._verify_known = False
+        self._own_draft: DraftTokens | None = None
+        """The last draft's tokens and raw log-probs (vLLM), which score it without a request."""
+        known, verify_mode = member.known_verify_mode
+        if known:
+            self._use_verify_mode(verify_mode)
         self._messages = [dict(m) for m in request.messages]
         self._tools = list(request.tools) if request.tools else None
         server_count: int | None = None
         if member.prompt_source == "server":
-            self._prompt, server_count = run_sync(member.render_on_server(self._messages, self._tools))
+            self._prompt, server_count = run_sync(render_on_server(member, self._messages, self._tools))
         else:
             self._prompt = member.render_prompt(self._messages, self._tools)
-        self.score_path = member.score_path if verify_mode == "logprobs" else None
-        """How this session scores (``None``: the judge, or no verification)."""
-        self._score_counts = ScoreCounts()
-        self._scorer: TokenScorer | None = None
-        if self.score_path in CACHE_PATHS:
-            self._scorer = TokenScorer(member, self.score_path, member.add_special_tokens, self._score_counts)
         self._draft_prompt_tokens = 0
         self._draft_cached_tokens: int | None = None
         self._first_cached: int | None = None
@@ -96,6 +134,36 @@ class OpenAIHTTPSession(MemberSession):
                 f"the prompt is about {self._prompt_tokens} tokens for member {member.name!r}, "
                 f"whose context window is {window}"
             )
+
+    def _use_verify_mode(self, verify_mode: VerifyMode | None) -> None:
+        """Verify in ``verify_mode`` from now on (on the member's scoring path)."""
+        m = self._m
+        self.verify_mode = verify_mode
+        self.score_path = m.score_path if verify_mode == "logprobs" else None
+        self._scorer = None
+        if self.score_path in CACHE_PATHS:
+            self._scorer = TokenScorer(m, self.score_path, m.add_special_tokens, self._score_counts)
+            self._scorer.draft = self._own_draft
+        self._verify_known = True
+
+    def _scores_from_draft(self, sampling: SamplingParams) -> bool:
+        """Whether a draft should carry its tokens' log-probs, which then score it: on vLLM's paths
+        (greedy: vLLM may report log-probs after its sampling steps) and on llama-server's forced
+        path (its log-probs are the logits' before sampling). Before the server was asked how it
+        scores (the probe runs beside the first draft), a vLLM member that may verify asks for them
+        anyway: they cost vLLM nothing."""
+        if not self._verify_known:
+            known, mode = self._m.known_verify_mode
+            if known:
+                self._use_verify_mode(mode)
+        scorer = self._scorer
+        if self._verify_known:
+            if scorer is not None and scorer.llama_server:
+                return True
+            return scorer is not None and scorer.path in ("prompt_tail", "next_token") and _greedy(sampling)
+        caps = self._m.capabilities
+        vllm = caps is not None and caps.server == "vllm" and caps.tokenize == "vllm"
+        return self._request.scores and vllm and _greedy(sampling)
 
     # -- token accounting -------------------------------------------------------------------
     def _count(self, text: str) -> int:
@@ -237,16 +305,23 @@ class OpenAIHTTPSession(MemberSession):
                 payload["stop"] = stops
             # the draft's own tokens and raw log-probs score it on vLLM's paths (greedy only: a
             # server may report log-probs after its sampling steps)
-            own = self._scorer is not None and self._scorer.path in ("prompt_tail", "next_token") and _greedy(sampling)
-            if own:
+            own = self._scores_from_draft(sampling)
+            llama_server = own and self._scorer is not None and self._scorer.llama_server
+            if llama_server:  # each token's id and log-prob before sampling (any sampling)
+                payload.update(logprobs=1)
+            elif own:
                 payload.update(logprobs=0, return_token_ids=True)
             answer = await m.client.post("/completions", payload)
             choice = first_choice(answer)
             text = choice.get("text")
             if not isinstance(text, str):
                 raise ServerResponseError("completion has no text")
+            if llama_server and self._scorer is not None:
+                self._own_draft = llama_server_draft_tokens(base, await self._scorer.tokenize(base), choice)
+            else:
+                self._own_draft = draft_tokens(base, choice) if own else None
             if self._scorer is not None:
-                self._scorer.draft = draft_tokens(base, choice) if own else None
+                self._scorer.draft = self._own_draft
         elif self.draft_mode == "chat_prefill":
             msgs = self._m.chat_messages(self._messages, self._tools)
             extra: dict[str, Any] = {}
@@ -309,11 +384,25 @@ class OpenAIHTTPSession(MemberSession):
         try:
             if not candidates:
                 return []
+            if not self._verify_known:  # the first scoring: ask the server how it scores, once per member
+                self._use_verify_mode(await self._m.averify_mode())
             if self.verify_mode == "judge":
                 return await judge_scores(self._m, self._messages, self._text, candidates, score_eos, self._round)
             if self.verify_mode != "logprobs":
                 raise CapabilityError(f"{self._m.name} cannot verify")
-            scored = await gather([self._score_one(c, score_eos) for c in candidates])
+            try:
+                scored = await gather([self._score_one(c, score_eos) for c in candidates])
+            except HTTPMemberError as exc:
+                if exc.status not in REFUSED or not self._m.probe_was_cached:
+                    raise
+                # the path the cached probe named is gone (a server restarted with other flags)
+                again = await self._m.reprobe_scoring()
+                self._use_verify_mode(again)
+                if again == "judge":
+                    return await judge_scores(self._m, self._messages, self._text, candidates, score_eos, self._round)
+                if again != "logprobs":
+                    raise CapabilityError(f"{self._m.name} cannot verify") from exc
+                scored = await gather([self._score_one(c, score_eos) for c in candidates])
             known = [s[0] for s in scored if s is not None]
             neutral = sum(known) / len(known) if known else 0.0
             means = [(s[0], s[1]) if s is not None else (neutral, 0) for s in scored]
@@ -337,14 +426,33 @@ class OpenAIHTTPSession(MemberSession):
         scorer = self._scorer
         if scorer is None:
             return await self._score_echo(cand, with_eos)
-        if with_eos and scorer.path == "forced":  # llama.cpp servers never list a generated end of turn
-            return await self._score_forced_eos(cand, scorer)
+        if with_eos and scorer.path == "forced" and not scorer.llama_server:
+            return await self._score_forced_eos(cand, scorer)  # llama-cpp-python never lists a generated end of turn
         scored = await scorer.score(self._prompt + self._text, cand.text, m.end_of_turn if with_eos else None)
         if scored is not None:
             return scored
+        if scorer.llama_server:  # no echo to hand it to: scored as the row's mean, and counted
+            self._unscorable(cand)
+            return None
         self._score_counts.echo_fallbacks += 1
         m.stats.echo_fallbacks += 1
         return await self._score_echo(cand, with_eos)
+
+    def _unscorable(self, cand: Candidate) -> None:
+        """A candidate llama-server cannot force (special-token text, a character split over
+        tokens) and cannot echo: it gets the row's mean (``member.stats.inexact_tokens``), or the
+        member raises with ``strict_scoring``."""
+        m = self._m
+        if m.strict_scoring:
+            raise AlignmentError(f"{m.name}: the candidate {cand.text[:40]!r} cannot be forced on this server")
+        m.stats.inexact_tokens += 1
+        if m.stats.inexact_tokens == 1:
+            log.warning(
+                "%s: a candidate this server cannot force (special-token text, or a character split over "
+                "tokens) and cannot echo is scored as the row's mean (member.stats.inexact_tokens)",
+                m.name,
+            )
+        return None
 
     async def _score_forced_eos(self, cand: Candidate, scorer: TokenScorer) -> tuple[float, int] | None:
         """An ended candidate on the ``forced`` path: the echo where it is aligned (it lists the end

@@ -33,6 +33,14 @@ position in a batch of one rather than in a prefill.
   only part of a character (a byte of a character split over several tokens) is never forced:
   llama.cpp's grammar then rejects every token and aborts the server; such candidates (and
   candidates whose text a tokenizer may read as a special token) take the echo path.
+
+  On llama.cpp's own ``llama-server`` the same path goes through its native ``/completion``: the
+  prompt is sent as token ids (``/tokenize`` gave them, with each token's piece: a piece that is not
+  whole characters comes back as bytes), ``n_probs`` lists each generated token's log-prob from the
+  logits before sampling, and a grammar that has matched all its tokens lets only an end of
+  generation through, whose log-prob the server lists too: an ended candidate is scored exactly
+  there, with no echo (the server has none). The server decodes requests on parallel slots, so no
+  lock: a round's candidates are forced side by side.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from typing import Any
 from specem_core.backends.http.errors import AlignmentError, HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats, ServerMember
 from specem_core.backends.http.probe import CACHE_PATHS, ScorePath, root_url
-from specem_core.backends.http.responses import first_choice, logprob_value
+from specem_core.backends.http.responses import completion_logprobs, first_choice, logprob_value, native_usage
 
 SPECIAL_TEXT = re.compile(r"<\|[^|<>\s]{1,40}\|>|</?s>")
 """Text a server's tokenizer may read as a special token: never forced through a grammar (an
@@ -247,6 +255,9 @@ class TokenScorer:
         self.draft: DraftTokens | None = None
         self.counts = counts if counts is not None else ScoreCounts()
         self._stats = member.stats if count_in_member else None
+        caps = member.capabilities
+        self.llama_server = path == "forced" and caps is not None and caps.tokenize == "llama.cpp"
+        """The forced path on llama.cpp's ``llama-server`` (token-id prompts, native ``/completion``)."""
 
     def new_round(self) -> None:
         """Forget the last round's tokens (the committed answer changed)."""
@@ -265,11 +276,31 @@ class TokenScorer:
             if m.model is not None:
                 body["model"] = m.model
             ids = token_list(await m.client.post(f"{self._root}/tokenize", body))
+        elif self.llama_server:  # BOS where the model adds one, as a text prompt gets it; pieces
+            answer = await m.client.post(
+                f"{self._root}/tokenize", {"content": text, "add_special": True, "with_pieces": True}
+            )
+            ids = self._pieces(answer)
         else:
             ids = token_list(await m.client.post(f"{self._root}/extras/tokenize", {"input": text}))
         if len(self._ids) > 64:
             self._ids.clear()
         self._ids[text] = ids
+        return ids
+
+    def _pieces(self, answer: Any) -> list[int]:
+        """The ids of a ``/tokenize`` answer ``with_pieces`` (llama-server), noting for each whether
+        its piece is whole characters (text) or not (a list of bytes)."""
+        entries = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(entries, list):
+            raise ServerResponseError("tokenizer answer has no 'tokens' list")
+        ids: list[int] = []
+        for entry in entries:
+            token = entry.get("id") if isinstance(entry, dict) else None
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise ServerResponseError("tokenizer answer lists a token without an integer id")
+            ids.append(token)
+            self._whole[token] = isinstance(entry.get("piece"), str)
         return ids
 
     async def detokenize(self, ids: Sequence[int], *, retries: int | None = None) -> str:
@@ -300,6 +331,16 @@ class TokenScorer:
     # -- scoring ------------------------------------------------------------------------------
     async def score(self, base: str, text: str, eot: str | None) -> tuple[float, int] | None:
         """Mean log-prob and token count of ``text`` (and the end-of-turn text ``eot``) after ``base``."""
+        values = await self.token_logprobs(base, text, eot)
+        if values is None:
+            return None
+        return sum(values) / len(values), len(values)
+
+    async def token_logprobs(self, base: str, text: str, eot: str | None = None) -> list[float] | None:
+        """The log-prob of each of ``text``'s tokens (and ``eot``'s) after ``base``, as the server
+        tokenizes ``base + text``; ``None`` when this path cannot score it (see the class)."""
+        if self.llama_server:
+            return await self._forced_by_ids(base, text, eot)
         if self.path == "forced":
             if eot is not None or SPECIAL_TEXT.search(text):
                 return None
@@ -319,7 +360,7 @@ class TokenScorer:
             if start >= len(full_ids):
                 return None
             values = await self._ids_path(full_ids, start)
-        return sum(values) / len(values), len(values)
+        return values
 
     def _from_draft(self, ids: list[int], start: int) -> list[float | None]:
         """The log-probs of ``ids[start:]`` the member's own draft already gave (same ids before)."""
@@ -409,6 +450,55 @@ class TokenScorer:
         self.counts.add(answer, self._stats)
         return prompt_tail_logprobs(answer, ids)
 
+    async def _forced_by_ids(self, base: str, text: str, eot: str | None) -> list[float] | None:
+        """The forced path on llama-server: the prompt as token ids, the candidate forced by a
+        grammar of its ids, its end of turn (``eot``) as the end of generation the matched grammar
+        lets through (a logit bias picks that one among the ends of generation; the log-probs the
+        server lists are the logits' before any sampling step). Tokens the member's own draft
+        generated at the same place take the draft's log-probs, and only the rest is asked for.
+        ``None`` where a token is not whole characters or the text holds special-token text (a
+        grammar must not name an end of generation)."""
+        if SPECIAL_TEXT.search(text):
+            return None
+        base_ids, full_ids = await asyncio.gather(self.tokenize(base), self.tokenize(base + text))
+        start = common_prefix(base_ids, full_ids)
+        target = full_ids[start:]
+        if not target and eot is None:
+            return None
+        if not all(self._whole.get(i, False) for i in target):
+            return None
+        eot_id = None
+        if eot is not None:
+            eot_ids = await self.tokenize(eot)
+            if len(eot_ids) == 2 and eot_ids[:1] == base_ids[:1]:  # the BOS the tokenizer adds
+                eot_ids = eot_ids[1:]
+            if len(eot_ids) != 1:
+                return None
+            eot_id = eot_ids[0]
+            target = [*target, eot_id]
+        ids = full_ids[:start] + target
+        known = self._from_draft(ids, start)
+        first = next((k for k, value in enumerate(known) if value is None), None)
+        if first is None:
+            return [v for v in known if v is not None]
+        rest = ids[start + first :]
+        forced = rest[:-1] if eot_id is not None else rest
+        m = self._m
+        payload = m.body(
+            prompt=ids[: start + first],
+            n_predict=len(rest),
+            n_probs=1,
+            grammar=token_grammar(forced) if forced else 'root ::= ""',
+            cache_prompt=True,
+            **m.greedy_body(),
+        )
+        if eot_id is not None:
+            payload["logit_bias"] = [[eot_id, 100.0]]
+        answer = await m.client.post(f"{self._root}/completion", payload)
+        self.counts.add({"usage": native_usage(answer, start + first)}, self._stats)
+        values = completion_logprobs(answer, rest)
+        return [*(v for v in known[:first] if v is not None), *values]
+
     async def _forced(
         self, base: str, text: str, base_ids: list[int], ids: list[int], start: int
     ) -> list[float] | None:
@@ -443,6 +533,26 @@ class TokenScorer:
             answer = await m.client.post("/completions", payload)
             self.counts.add({"usage": {"prompt_tokens": start}}, self._stats)
             return forced_logprobs([answer], len(tail))
+
+
+def llama_server_draft_tokens(prompt: str, prompt_ids: list[int], choice: Any) -> DraftTokens | None:
+    """The token record of a llama-server draft answer (``logprobs``: each generated token's id and
+    log-prob from the logits before sampling, its end of generation included), after ``prompt``
+    whose ids are ``prompt_ids``; ``None`` when the answer lacks it."""
+    lp = choice.get("logprobs") if isinstance(choice, dict) else None
+    rows = lp.get("content") if isinstance(lp, dict) else None
+    if not isinstance(rows, list):
+        return None
+    ids: list[int] = []
+    values: list[float] = []
+    for row in rows:
+        token = row.get("id") if isinstance(row, dict) else None
+        value = logprob_value(row.get("logprob")) if isinstance(row, dict) else None
+        if not isinstance(token, int) or isinstance(token, bool) or value is None:
+            return None
+        ids.append(token)
+        values.append(value)
+    return DraftTokens(prompt, list(prompt_ids), ids, values)
 
 
 def draft_tokens(prompt: str, choice: Any) -> DraftTokens | None:
