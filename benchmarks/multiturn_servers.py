@@ -19,6 +19,8 @@ Rows (``--rows``; models ``1.5b``, ``0.5b``, ``smollm2``, each served under its 
   (``openai:URL#<packaged name>``, no ``tokenizer=``).
 * ``pair:M1+M2`` -- two server members, one server each, with the ``quality`` preset's settings
   (and its prior, whose names the members carry); ``pair:1.5b+0.5b`` is the ``quality`` pair.
+* ``vote:M1+M2`` -- the same pair as a user brings it: no prior, so no member is trusted and every
+  round is a vote (the rounds where a pair costs the most).
 
 ``--before`` runs every SpecEM row a second time on the code path before the servers' caches were
 read, from the same build: no template from the served model id or from the server
@@ -115,6 +117,12 @@ def start(server: str, model: str, core: int, args: argparse.Namespace, port: in
     if server == "llama.cpp":  # llama-server: two slots over one unified KV cache
         return start_llama_cpp_server(name, alias=name, n_ctx=4096, n_threads=args.threads, parallel=2, port=port)
     return start_server(name, alias=name, n_ctx=4096, n_threads=args.threads, verbose=True, port=port)
+
+
+def reads_its_log(server: LlamaServer) -> bool:
+    """llama-cpp-python's server: its log says what each request read from the KV prefix (vLLM and
+    llama-server say it in their answers, which the calls record)."""
+    return not isinstance(server, VLLMServer) and not server.log_path.name.startswith("llama-cpp-server-")
 
 
 def llama_log_requests(log: Path, offset: int) -> tuple[list[tuple[int, int]], int]:
@@ -306,7 +314,9 @@ def alone_asker(server: LlamaServer, model: str) -> Any:
     return ask
 
 
-def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Calls, args: argparse.Namespace) -> Any:
+def specem_asker(
+    servers: list[tuple[str, LlamaServer]], before: bool, calls: Calls, args: argparse.Namespace, prior: bool = True
+) -> Any:
     import httpx
 
     from specem_core import SpecEM
@@ -327,15 +337,15 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
         member.probe()
     calls.take()
     overrides: dict[str, Any] = {"max_new_tokens": args.max_tokens, "segment_len": args.segment_len}
-    prior = get_preset("quality").member_weights()
-    if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
-        overrides["weights"] = prior  # the quality pair: its shipped prior, whose names the members carry
+    weights = get_preset("quality").member_weights() if prior else None
+    if len(members) > 1 and weights is not None and {m.name for m in members} <= set(weights.prior):
+        overrides["member_weights"] = weights  # the quality pair: its shipped prior, whose names the members carry
     engine = SpecEM.from_preset("quality", members=members, **overrides)
     counter_model, counter = min(servers, key=lambda s: STRENGTH.index(s[0]))  # the strongest member's tokens
     client = httpx.Client(timeout=600)
     offsets = {srv.base_url: 0 for _, srv in servers}
     for _, srv in servers:
-        if not isinstance(srv, VLLMServer):
+        if reads_its_log(srv):
             offsets[srv.base_url] = srv.log_path.stat().st_size
 
     def ask(messages: list[dict[str, str]], max_tokens: int) -> tuple[dict[str, Any], str]:
@@ -346,7 +356,7 @@ def specem_asker(servers: list[tuple[str, LlamaServer]], before: bool, calls: Ca
         per_member: dict[str, Any] = {}
         for (_, srv), member in zip(servers, members, strict=True):
             logged = None
-            if not isinstance(srv, VLLMServer):
+            if reads_its_log(srv):
                 logged, offsets[srv.base_url] = llama_log_requests(srv.log_path, offsets[srv.base_url])
             per_member[member.name] = member_figures(made.get(srv.base_url, []), logged, calls.block)
             per_member[member.name]["modes"] = [*member.modes, member.score_path, member.prompt_source]
@@ -374,12 +384,15 @@ def run_row(row: str, before: bool, args: argparse.Namespace, calls: Calls) -> d
             servers.append((model, start(args.server, model, core % max(1, os.cpu_count() or 1), args)))
         out: dict[str, Any] = {"row": row, "path": "before" if before else "after", "models": models}
         if args.new_process and kind != "alone" and not before:
-            out["new_process"], servers = new_process_turns(servers, args)
+            out["new_process"], servers = new_process_turns(servers, args, prior=kind == "pair")
             if args.new_process_only:
                 return out
         elif args.new_process_only and kind != "alone":
             return out
-        ask = alone_asker(servers[0][1], models[0]) if kind == "alone" else specem_asker(servers, before, calls, args)
+        if kind == "alone":
+            ask = alone_asker(servers[0][1], models[0])
+        else:
+            ask = specem_asker(servers, before, calls, args, prior=kind == "pair")
         out["start_seconds"] = time.perf_counter() - started
         if "rag" in args.workloads:
             system, questions = rag_turns(args.turns, args.context_lines)
@@ -412,7 +425,7 @@ def restart(servers: list[tuple[str, LlamaServer]], args: argparse.Namespace) ->
 
 
 def new_process_turns(
-    servers: list[tuple[str, LlamaServer]], args: argparse.Namespace
+    servers: list[tuple[str, LlamaServer]], args: argparse.Namespace, prior: bool = True
 ) -> tuple[dict[str, Any], list[tuple[str, LlamaServer]]]:
     """Turn 1 of every workload in a new process, with an empty probe cache and then with the one
     the first process left; each on freshly started servers. Returns the records and the servers
@@ -433,6 +446,7 @@ def new_process_turns(
                     "messages": first_turn_messages(workload, args),
                     "max_tokens": args.max_tokens,
                     "segment_len": args.segment_len,
+                    "prior": prior,
                 }
                 env = dict(os.environ, SPECEM_PROBE_CACHE="1", SPECEM_PROBE_CACHE_DIR=probes)
                 done = subprocess.run(
@@ -479,7 +493,7 @@ def child_first_turn(spec: dict[str, Any]) -> None:
         for (m, url), name in zip(spec["servers"], names, strict=True)
     ]
     overrides: dict[str, Any] = {"max_new_tokens": spec["max_tokens"], "segment_len": spec["segment_len"]}
-    prior = get_preset("quality").member_weights()
+    prior = get_preset("quality").member_weights() if spec.get("prior", True) else None
     if len(members) > 1 and prior is not None and {m.name for m in members} <= set(prior.prior):
         overrides["member_weights"] = prior
     engine = SpecEM.from_preset("quality", members=members, **overrides)
@@ -598,7 +612,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--server", choices=["llama-cpp-python", "vllm", "llama.cpp"], default="llama-cpp-python")
-    parser.add_argument("--rows", nargs="+", default=None, help="alone:M, one:M, pair:M1+M2 (M: 1.5b, 0.5b, smollm2)")
+    rows_help = "alone:M, one:M, pair:M1+M2, vote:M1+M2 (M: 1.5b, 0.5b, smollm2)"
+    parser.add_argument("--rows", nargs="+", default=None, help=rows_help)
     parser.add_argument("--before", action="store_true", help="also run every SpecEM row on the old code path")
     parser.add_argument("--workloads", nargs="+", default=["rag", "agent"], choices=["rag", "agent"])
     parser.add_argument("--turns", type=int, default=4, help="RAG questions (2-5)")
@@ -627,6 +642,8 @@ def main() -> None:
         args.rows = args.rows or ["alone:smollm2", "one:smollm2", "pair:smollm2+smollm2"]
         args.turns, args.context_lines, args.max_tokens, args.segment_len = 2, 3, 8, 4
         args.workloads, args.before = ["rag"], True
+    if args.server == "llama.cpp":
+        args.before = False  # the old path verified through echo, which llama-server has never had
     rows_wanted = args.rows or DEFAULT_ROWS[args.server]
     out_path = args.out or (
         None

@@ -128,12 +128,18 @@ def start_server(
     ]
     if api_key:
         cmd += ["--api_key", api_key]
-    fd, log_name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+    return _launch(cmd, "llama-server-", port, alias, api_key, "llama_cpp.server", startup_timeout)
+
+
+def _launch(
+    cmd: list[str], log_prefix: str, port: int, alias: str, api_key: str | None, what: str, timeout: float
+) -> LlamaServer:
+    """Start ``cmd`` with its output in a temporary log (``log_prefix``) and wait until it serves."""
+    fd, log_name = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
     log_file = os.fdopen(fd, "wb")
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log_file.close()
-    server = LlamaServer(process, port, alias, api_key, Path(log_name))
-    return _wait_until_ready(server, "llama_cpp.server", startup_timeout, poll=0.3)
+    return _wait_until_ready(LlamaServer(process, port, alias, api_key, Path(log_name)), what, timeout, poll=0.3)
 
 
 def _wait_until_ready(server: LlamaServer, what: str, timeout: float, *, poll: float) -> LlamaServer:
@@ -202,12 +208,7 @@ def start_llama_cpp_server(
         "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads), "-np", str(parallel), "--kv-unified",
         "--no-webui",
     ]  # fmt: skip
-    fd, log_name = tempfile.mkstemp(prefix="llama-cpp-server-", suffix=".log")
-    log_file = os.fdopen(fd, "wb")
-    process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    log_file.close()
-    server = LlamaServer(process, port, alias, None, Path(log_name))
-    return _wait_until_ready(server, "llama-server", startup_timeout, poll=0.3)
+    return _launch(cmd, "llama-cpp-server-", port, alias, None, "llama-server", startup_timeout)
 
 
 class VLLMServer(LlamaServer):

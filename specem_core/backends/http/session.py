@@ -96,7 +96,7 @@ class OpenAIHTTPSession(MemberSession):
         self._scorer: TokenScorer | None = None
         self._verify_known = False
         self._own_draft: DraftTokens | None = None
-        """The last draft's tokens and raw log-probs (vLLM), which score it without a request."""
+        """The last draft's tokens and raw log-probs (vLLM, llama-server), which score it without a request."""
         known, verify_mode = member.known_verify_mode
         if known:
             self._use_verify_mode(verify_mode)
@@ -303,8 +303,7 @@ class OpenAIHTTPSession(MemberSession):
             payload = m.body(prompt=base, max_tokens=max_tokens, **params, **m.completion_fields())
             if stops:
                 payload["stop"] = stops
-            # the draft's own tokens and raw log-probs score it on vLLM's paths (greedy only: a
-            # server may report log-probs after its sampling steps)
+            # the draft's own tokens and raw log-probs score it (vLLM's paths, llama-server's forced path)
             own = self._scores_from_draft(sampling)
             llama_server = own and self._scorer is not None and self._scorer.llama_server
             if llama_server:  # each token's id and log-prob before sampling (any sampling)
