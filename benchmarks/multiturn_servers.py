@@ -82,6 +82,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from llama_server import (  # noqa: E402
+    LlamaCppServer,
     LlamaServer,
     VLLMServer,
     llama_server_binary,
@@ -122,7 +123,7 @@ def start(server: str, model: str, core: int, args: argparse.Namespace, port: in
 def reads_its_log(server: LlamaServer) -> bool:
     """llama-cpp-python's server: its log says what each request read from the KV prefix (vLLM and
     llama-server say it in their answers, which the calls record)."""
-    return not isinstance(server, VLLMServer) and not server.log_path.name.startswith("llama-cpp-server-")
+    return not isinstance(server, VLLMServer | LlamaCppServer)
 
 
 def llama_log_requests(log: Path, offset: int) -> tuple[list[tuple[int, int]], int]:
@@ -262,7 +263,7 @@ def count_tokens(client: Any, server: LlamaServer, model: str, text: str) -> int
     if isinstance(server, VLLMServer):
         body = {"model": MODELS[model], "prompt": text, "add_special_tokens": False}
         return int(client.post(f"{root}/tokenize", json=body).json()["count"])
-    if server.log_path.name.startswith("llama-cpp-server-"):  # llama-server
+    if isinstance(server, LlamaCppServer):
         return len(client.post(f"{root}/tokenize", json={"content": text}).json()["tokens"])
     answer = client.post(f"{root}/extras/tokenize", json={"input": text}).json()
     return len(answer["tokens"])

@@ -132,14 +132,25 @@ def start_server(
 
 
 def _launch(
-    cmd: list[str], log_prefix: str, port: int, alias: str, api_key: str | None, what: str, timeout: float
+    cmd: list[str],
+    log_prefix: str,
+    port: int,
+    alias: str,
+    api_key: str | None,
+    what: str,
+    timeout: float,
+    kind: type[LlamaServer] = LlamaServer,
 ) -> LlamaServer:
     """Start ``cmd`` with its output in a temporary log (``log_prefix``) and wait until it serves."""
     fd, log_name = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
     log_file = os.fdopen(fd, "wb")
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log_file.close()
-    return _wait_until_ready(LlamaServer(process, port, alias, api_key, Path(log_name)), what, timeout, poll=0.3)
+    return _wait_until_ready(kind(process, port, alias, api_key, Path(log_name)), what, timeout, poll=0.3)
+
+
+class LlamaCppServer(LlamaServer):
+    """A running llama.cpp ``llama-server`` (its answers, not its log, say what it read from its cache)."""
 
 
 def _wait_until_ready(server: LlamaServer, what: str, timeout: float, *, poll: float) -> LlamaServer:
@@ -208,7 +219,7 @@ def start_llama_cpp_server(
         "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads), "-np", str(parallel), "--kv-unified",
         "--no-webui",
     ]  # fmt: skip
-    return _launch(cmd, "llama-cpp-server-", port, alias, None, "llama-server", startup_timeout)
+    return _launch(cmd, "llama-cpp-server-", port, alias, None, "llama-server", startup_timeout, LlamaCppServer)
 
 
 class VLLMServer(LlamaServer):

@@ -46,22 +46,22 @@ def test_the_llama_server_binary_is_there() -> None:
     assert llama_server_binary() is not None
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LlamaServer]:
-    srv = start_llama_cpp_server("smollm2", alias="smollm2", n_ctx=4096, parallel=2)
+def serving(alias: str) -> Iterator[LlamaServer]:
+    srv = start_llama_cpp_server("smollm2", alias=alias, n_ctx=4096, parallel=2)
     try:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LlamaServer]:
+    yield from serving("smollm2")
 
 
 @pytest.fixture(scope="module")
 def second() -> Iterator[LlamaServer]:
-    srv = start_llama_cpp_server("smollm2", alias="smollm2-b", n_ctx=4096, parallel=2)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving("smollm2-b")
 
 
 def member(server: LlamaServer, name: str = "smol", **kwargs: Any) -> Any:

@@ -451,7 +451,6 @@ class OpenAIHTTPSession(MemberSession):
                 "tokens) and cannot echo is scored as the row's mean (member.stats.inexact_tokens)",
                 m.name,
             )
-        return None
 
     async def _score_forced_eos(self, cand: Candidate, scorer: TokenScorer) -> tuple[float, int] | None:
         """An ended candidate on the ``forced`` path: the echo where it is aligned (it lists the end

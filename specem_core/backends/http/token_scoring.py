@@ -250,6 +250,8 @@ class TokenScorer:
         self._root = root_url(member.client.base_url)
         self._ids: dict[str, list[int]] = {}
         self._whole: dict[int, bool] = {}
+        self._eot_ids: dict[str, int | None] = {}
+        """End-of-turn text -> its token id (llama-server), kept across rounds."""
         """Token id -> whether its text is whole characters (``forced`` only forces those)."""
         self._pending: dict[tuple[int, ...], asyncio.Future[float]] = {}
         self.draft: DraftTokens | None = None
@@ -450,6 +452,16 @@ class TokenScorer:
         self.counts.add(answer, self._stats)
         return prompt_tail_logprobs(answer, ids)
 
+    async def _eot_id(self, eot: str, bos: list[int]) -> int | None:
+        """The one token id of the end-of-turn text ``eot`` (asked once per scorer: it does not
+        change between rounds), or ``None`` when the server reads it as several tokens."""
+        if eot not in self._eot_ids:
+            ids = await self.tokenize(eot)
+            if len(ids) == 2 and ids[:1] == bos:  # the BOS the tokenizer adds
+                ids = ids[1:]
+            self._eot_ids[eot] = ids[0] if len(ids) == 1 else None
+        return self._eot_ids[eot]
+
     async def _forced_by_ids(self, base: str, text: str, eot: str | None) -> list[float] | None:
         """The forced path on llama-server: the prompt as token ids, the candidate forced by a
         grammar of its ids, its end of turn (``eot``) as the end of generation the matched grammar
@@ -467,14 +479,10 @@ class TokenScorer:
             return None
         if not all(self._whole.get(i, False) for i in target):
             return None
-        eot_id = None
+        eot_id = await self._eot_id(eot, base_ids[:1]) if eot is not None else None
         if eot is not None:
-            eot_ids = await self.tokenize(eot)
-            if len(eot_ids) == 2 and eot_ids[:1] == base_ids[:1]:  # the BOS the tokenizer adds
-                eot_ids = eot_ids[1:]
-            if len(eot_ids) != 1:
+            if eot_id is None:
                 return None
-            eot_id = eot_ids[0]
             target = [*target, eot_id]
         ids = full_ids[:start] + target
         known = self._from_draft(ids, start)
