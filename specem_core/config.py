@@ -48,6 +48,7 @@ _PAPER_RULES: dict[str, Any] = {
     "trusted_tool_calls": False,
     "unanimous_tool_calls": False,
     "segment_boundary": "tokens",
+    "copy_guard_words": 0,
 }
 """What ``reproduce_paper=True`` forces: the authors' decisions."""
 
@@ -137,6 +138,10 @@ class SpecEMConfig(StudyOptions):
     """Learn verifier weights within a request (Hedge); ``False``: uniform weights."""
     vote_on_stop: bool = True
     """Verifiers also score each finished candidate's end-of-turn token, so stopping is voted."""
+    copy_guard_words: int = 5
+    """A candidate that makes the answer repeat a run of this many words of an earlier assistant
+    turn (a run no other message holds) wins only when every candidate does; 0 turns the guard off
+    (:mod:`specem_core.copies`; the value was chosen out of fold: docs/reports/quality.md, "Follow-ups")."""
     reuse_other_drafts: bool = True
     """Members on one device draft in turn and continue from earlier candidates where their own
     pick agrees (speculative drafting: less work, the same drafts up to the kernels' numerics)."""
@@ -189,6 +194,7 @@ class SpecEMConfig(StudyOptions):
         _int_at_least("model_exit_agreement_rounds", self.model_exit_agreement_rounds, 0)
         _int_at_least("trusted_opening_rounds", self.trusted_opening_rounds, 0)
         _int_at_least("member_retries", self.member_retries, 0)
+        _int_at_least("copy_guard_words", self.copy_guard_words, 0)
         for f in dataclasses.fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")

@@ -45,13 +45,14 @@ from specem_core.backends.base import (
 )
 from specem_core.candidates import constrain, to_line_end
 from specem_core.config import SpecEMConfig
+from specem_core.copies import CopyGuard
 from specem_core.errors import MemberError
 from specem_core.member_calls import MemberCalls
 from specem_core.observers import MemberObserver
 from specem_core.scoring import ModelExit, argmax_first, combine, normalize_row
 from specem_core.stops import find_stop, stop_holdback
 from specem_core.tools import CandidateFilter as CandidateFilter  # re-exported: the engine's import path
-from specem_core.tools import Constraint, as_constraint, opens_call
+from specem_core.tools import Constraint, as_constraint, call_in_progress, opens_call
 from specem_core.trusted import TrustedMember, check_trusted_member, choose_trusted, gated, unanimous_call_opening
 from specem_core.types import (
     Candidate,
@@ -129,6 +130,8 @@ class Run:
         self.exited: set[int] = set()
         """Drafters Model Exit stopped (they keep verifying)."""
         check_trusted_member(self.members, config.trusted_member)
+        self.copy_guard = CopyGuard(messages, config.copy_guard_words)
+        """Which candidates repeat an earlier answer (``copy_guard_words``)."""
         self.trust = TrustedMember(None, config, tools=bool(self.tools))
         """The trusted member, chosen once the verifier weights are known (:meth:`events`)."""
         self.trusted: Trusted | None = None
@@ -222,6 +225,8 @@ class Run:
         winner = vote.winner
         if self.config.trusted_veto and raw:
             winner = self.trust.veto(winner, owners, verifiers, candidates, raw)
+        copied = self.copied(candidates)
+        winner = self.copy_guard.pick(winner, vote.combined, copied)
         if exit_rule is not None and drafting.solo is None:  # an unvoted round is no evidence for exit
             combined = {owners[n]: vote.combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
@@ -240,8 +245,19 @@ class Run:
             combined=vote.combined,
             rewards=vote.rewards,
             learning_rate=vote.learning_rate,
+            copied=copied,
         )
         return segment, vote.weights, candidates[winner].ended
+
+    def copied(self, candidates: Sequence[Candidate]) -> list[int]:
+        """The candidates that repeat an earlier answer (``copy_guard_words``; a lone candidate
+        that does is listed too). Tool calls are not guarded: an agent may rightly call again."""
+        in_call = (call_in_progress(self.text + c.text) or opens_call(self.text + c.text) for c in candidates)
+        if not self.copy_guard.active or (self.tools and any(in_call)):
+            return []
+        if len(candidates) == 1:
+            return [0] if self.copy_guard.copies(self.text, candidates[0].text) else []
+        return self.copy_guard.flag(self.text, [c.text for c in candidates])
 
     # -- step 1: draft ------------------------------------------------------------------------
     def drafters(self, k: int) -> Drafting:
@@ -269,7 +285,13 @@ class Run:
             drafts = self.draft_each(drafting.members, max_tokens, k)
             self.calls.require_drafter()
         solo = drafting.solo
-        if drafting.decides_opening and solo is not None and solo in drafts and opens_call(drafts[solo].text):
+        if solo is not None and solo in drafts and self.copied([Candidate("", drafts[solo].text, False)]):
+            # the member drafting alone repeats an earlier answer: the others draft, and the round is voted
+            drafting.solo = None
+            others = [i for i in drafting.available if i != solo and i in self.sessions]
+            drafts.update(self.draft_each(others, max_tokens, k))
+            drafting.members = [i for i in drafting.available if i in drafts]
+        elif drafting.decides_opening and solo is not None and solo in drafts and opens_call(drafts[solo].text):
             # the trusted member would call: whether the answer does is up to the others' openings too
             others = [i for i in drafting.available if i != solo and i in self.sessions]
             drafts.update(self.draft_each(others, max_tokens, k))

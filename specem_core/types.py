@@ -178,6 +178,9 @@ class Segment:
     """η_k used this round (0 when Hedge is off)."""
     seconds: float = 0.0
     """Wall time of the round."""
+    copied: list[int] = field(default_factory=list)
+    """Candidates (indices in ``candidates``) that would make the answer repeat an earlier
+    assistant turn (``copy_guard_words``); the winner is among the others."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view of the round, every field as named here (the trace's segments)."""

@@ -31,6 +31,7 @@ MODES: dict[str, list[str]] = {
     ],
     "contention.py": ["--smoke --before --out {tmp}/out.json"],
     "draft_hints.py": ["--members smollm2 qwen2.5-coder --tokens 4 --repeats 1 --out {tmp}/out.json"],
+    "followups.py": ["--smoke", "report"],
     "gpu_check.py": ["--help"],
     "http_prefix.py": ["--context-lines 2 --max-tokens 4 --out {tmp}/out.json"],  # needs vLLM
     "http_rounds.py": ["--models smollm2 smollm2 --rounds 1 --segment-len 2 --out {tmp}/out.json"],
