@@ -215,17 +215,15 @@ def correct(answer: str, expected: Sequence[str]) -> bool:
     return any(re.search(rf"(?<![\w.]){re.escape(e.lower())}(?![\w]|\.\d)", text) for e in expected)
 
 
-def _words(text: str) -> list[str]:
-    return [w.lower() for w in re.findall(r"\w+", text)]
-
-
 def copied_run(answer: str, earlier_answers: Sequence[str], other_messages: Sequence[str], n: int = COPY_RUN) -> bool:
     """The answer repeats a run of ``n`` words of an earlier answer that no other message holds;
     an answer of fewer words (at least 3), when it repeats itself whole (``repeated``)."""
-    n = min(n, max(len(_words(answer)), 3))
+    from specem_core.copies import words  # the words the engine's copy guard compares
+
+    n = min(n, max(len(words(answer)), 3))
 
     def runs(text: str) -> set[tuple[str, ...]]:
-        w = _words(text)
+        w = words(text)
         return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
 
     earlier = set().union(*(runs(t) for t in earlier_answers)) if earlier_answers else set()
