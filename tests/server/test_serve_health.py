@@ -178,12 +178,16 @@ def test_a_real_server_answers_its_probes_without_the_key(auth_server: ServeProc
 
 
 def test_sigterm_makes_a_real_server_draining_while_its_answer_finishes() -> None:
-    """The wiring from the signal to readiness in a real ``specem serve`` process: from the
-    SIGTERM on, ``/health/ready`` never answers 200 again: 503 ``draining`` until uvicorn notices
-    the signal (it checks every 0.1 s), then the connection is refused (uvicorn stops accepting,
-    docs/guides/deploying.md). The answer in flight still finishes whole, and the process exits 0.
+    """A real ``specem serve`` process on SIGTERM: ``/health/ready`` never answers 200 again: 503
+    ``draining`` until uvicorn notices the signal (it checks every 0.1 s), then the connection is
+    refused (uvicorn stops accepting, docs/guides/deploying.md). The answer in flight still
+    finishes whole, and the process exits 0.
+
     The probes go over a keep-alive connection opened before the signal, so that the first one
-    reaches the server at once, inside that window."""
+    usually reaches the server inside that window; on a loaded machine it may not (a CI run saw
+    the connection refused at once), which the guide allows, so a 503 is not required here. The
+    wiring from the signal to ``begin_draining`` is checked without that race by
+    ``test_the_first_exit_signal_starts_draining``."""
     with serving(["--model", "smollm2", "--graceful-timeout", "240", "--no-access-log"], exit_probe=True) as server:
         body = {
             "model": "specem",
@@ -212,8 +216,7 @@ def test_sigterm_makes_a_real_server_draining_while_its_answer_finishes() -> Non
                 else:
                     pytest.fail(f"new connections were still accepted 30 s after SIGTERM: {seen[-3:]}")
                 rest = [line for line in lines if line.startswith("data: ")]
-        assert seen, "no readiness answer between the signal and the refused connections"
-        assert set(seen) == {(503, "draining")}, seen
+        assert set(seen) <= {(503, "draining")}, seen  # never ready again once the signal is sent
         assert rest[-1] == "data: [DONE]"
         chunks = [json.loads(line[6:]) for line in rest[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
