@@ -16,7 +16,9 @@ Workloads (the same text for every row; each row's own answers go into its histo
 Rows: ``peer-<model>`` (llama-cpp-python's ``Llama`` on the same GGUF: the peer a user would pick,
 reusing the previous call's prefix), ``one-1.5b`` (SpecEM with the 1.5B as its only member),
 ``quality`` and ``fast`` (the presets); each SpecEM row runs with the prefix cache (``after``) and
-without it (``before``, ``prefix_cache=False``: every request re-reads its whole prompt). Each row
+without it (``before``, ``prefix_cache=False``: every request re-reads its whole prompt), and with
+``--invariant`` also with ``history_invariant`` (``cache=invariant``: only rows a cold prefill
+computes identically are reused, so follow-ups prefill the previous answer again). Each row
 runs in a subprocess of its own, so its peak RSS is its own.
 
 Per turn: seconds, time to the first segment (first token for the peer), prompt tokens, and per
@@ -175,10 +177,22 @@ def peer_asker(model: str) -> Any:
     return ask
 
 
-def specem_asker(row: str, cache: bool) -> Any:
+Cache = bool | str
+"""A SpecEM row's prefix cache: on (True), off (False), or ``"invariant"`` (on, with the llama.cpp
+members' ``history_invariant``: only rows a cold prefill computes identically are reused)."""
+
+
+def cache_kwargs(cache: Cache) -> dict[str, Any]:
+    """The member options of a cache setting."""
+    if cache == "invariant":
+        return {"prefix_cache": True, "history_invariant": True}
+    return {"prefix_cache": bool(cache)}
+
+
+def specem_asker(row: str, cache: Cache) -> Any:
     from specem_core import SpecEM
 
-    kwargs: dict[str, Any] = {"member_kwargs": {"prefix_cache": cache}, "backend": "llamacpp"}
+    kwargs: dict[str, Any] = {"member_kwargs": cache_kwargs(cache), "backend": "llamacpp"}
     members = PRESET_MEMBERS.get(row)
     engine = SpecEM.from_preset("quality", members=members, **kwargs) if members else SpecEM.from_preset(row, **kwargs)
 
@@ -208,7 +222,7 @@ def specem_asker(row: str, cache: bool) -> Any:
     return ask
 
 
-def run_row(row: str, cache: bool, workloads: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def run_row(row: str, cache: Cache, workloads: list[str], args: argparse.Namespace) -> dict[str, Any]:
     loaded_at = time.perf_counter()
     ask = peer_asker(PEERS[row.removeprefix("peer-")]) if row.startswith("peer-") else specem_asker(row, cache)
     out: dict[str, Any] = {"row": row, "cache": cache, "load_seconds": time.perf_counter() - loaded_at}
@@ -224,7 +238,7 @@ def run_row(row: str, cache: bool, workloads: list[str], args: argparse.Namespac
 
 
 # -- serve ---------------------------------------------------------------------------------------
-def run_serve(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run_serve(cache: Cache, args: argparse.Namespace) -> dict[str, Any]:
     """``specem serve``'s app (quality) on a loopback port: one request, then concurrent clients."""
     import httpx
     import uvicorn
@@ -234,7 +248,7 @@ def run_serve(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
 
     preset = args.serve_preset
     members = ["smollm2"] if args.smoke else None
-    kwargs: dict[str, Any] = {"member_kwargs": {"prefix_cache": cache}, "backend": "llamacpp"}
+    kwargs: dict[str, Any] = {"member_kwargs": cache_kwargs(cache), "backend": "llamacpp"}
     engine = SpecEM.from_preset(preset, members=members, **kwargs) if members else SpecEM.from_preset(preset, **kwargs)
     app = create_app(engine, max_concurrency=args.clients, model_name="specem")
     sock = socket.socket()
@@ -307,12 +321,12 @@ def run_serve(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- memory --------------------------------------------------------------------------------------
-def run_memory(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run_memory(cache: Cache, args: argparse.Namespace) -> dict[str, Any]:
     """What the cache holds on to: ``--conversations`` distinct conversations, one after another
     (each its own ~300-token system prompt), on the ``--serve-preset`` engine; RSS after each."""
     from specem_core import SpecEM
 
-    kwargs: dict[str, Any] = {"member_kwargs": {"prefix_cache": cache}, "backend": "llamacpp"}
+    kwargs: dict[str, Any] = {"member_kwargs": cache_kwargs(cache), "backend": "llamacpp"}
     members = ["smollm2"] if args.smoke else None
     preset = args.serve_preset
     engine = SpecEM.from_preset(preset, members=members, **kwargs) if members else SpecEM.from_preset(preset, **kwargs)
@@ -328,17 +342,19 @@ def run_memory(cache: bool, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- driver --------------------------------------------------------------------------------------
 def child(args: argparse.Namespace) -> None:
+    cache: Cache = {"on": True, "off": False}.get(args.cache, args.cache)
     if args.row.startswith("memory"):
-        out = run_memory(args.cache == "on", args)
+        out = run_memory(cache, args)
     elif args.row.startswith("serve"):
-        out = run_serve(args.cache == "on", args)
+        out = run_serve(cache, args)
     else:
-        out = run_row(args.row, args.cache == "on", args.workloads, args)
+        out = run_row(args.row, cache, args.workloads, args)
     print("MULTITURN-RESULT " + json.dumps(out))
 
 
-def spawn(row: str, cache: bool, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", "--row", row, "--cache", "on" if cache else "off"]
+def spawn(row: str, cache: Cache, args: argparse.Namespace) -> dict[str, Any]:
+    flag = cache if isinstance(cache, str) else ("on" if cache else "off")
+    cmd = [sys.executable, __file__, "--child", "--row", row, "--cache", flag]
     for flag in ("turns", "max_tokens", "context_lines", "clients", "serve_tokens", "serve_preset", "conversations"):
         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     cmd += ["--workloads", *args.workloads] + (["--smoke"] if args.smoke else [])
@@ -365,7 +381,7 @@ def median_per_token(runs: list[dict[str, Any]], workload: str) -> tuple[float |
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (row, cache): medians over its runs (turn by turn for the turn figures)."""
-    runs_of: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    runs_of: dict[tuple[str, Cache], list[dict[str, Any]]] = {}
     for r in rows:
         if not r["row"].startswith("serve"):
             runs_of.setdefault((r["row"], r["cache"]), []).append(r)
@@ -439,6 +455,9 @@ def main() -> None:
     parser.add_argument("--serve-preset", default="quality")
     parser.add_argument("--conversations", type=int, default=10, help="distinct conversations (memory)")
     parser.add_argument("--only-after", action="store_true", help="SpecEM rows with the cache only")
+    parser.add_argument(
+        "--invariant", action="store_true", help="SpecEM rows also with history_invariant (cache=invariant)"
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, 2 clients")
     parser.add_argument("--runs", type=int, default=1, help="runs of every conversation row, taking turns (medians)")
     parser.add_argument("--row-timeout", type=float, default=3600)
@@ -461,13 +480,16 @@ def main() -> None:
     conversation = [w for w in args.workloads if w in ("rag", "agent")]
     for run in range(args.runs if conversation else 0):
         for row in args.rows:
-            for cache in [True] if row.startswith("peer-") or args.only_after else [True, False]:
+            caches: list[Cache] = [True] if args.only_after else [True, False]
+            caches += ["invariant"] if args.invariant else []
+            for cache in [True] if row.startswith("peer-") else caches:
                 started = time.perf_counter()
                 rows.append(spawn(row, cache, argparse.Namespace(**{**vars(args), "workloads": conversation})))
                 print(f"run {run + 1}: {row} cache={cache}: {time.perf_counter() - started:.0f}s", flush=True)
     serve = []
     if "serve" in args.workloads:
-        for cache in [True] if args.only_after else [True, False]:
+        serve_caches: list[Cache] = [True] if args.only_after else [True, False]
+        for cache in serve_caches + (["invariant"] if args.invariant else []):
             serve.append(spawn("serve", cache, args))
     memory = []
     if "memory" in args.workloads:

@@ -18,6 +18,20 @@ Usage::
     python benchmarks/same_answers.py --compare /tmp/before.json /tmp/after.json
 
 ``--real`` adds the presets (a few minutes on 2 cores); ``--smoke`` runs two tiny cases.
+
+**Determinism** (``--determinism``): does a request get the answer it gets alone, whatever ran before
+it or beside it in the process? A fixed set of requests on a preset (llama.cpp members): RAG
+questions over one shared ~500-token document, their follow-ups (the history holds the reference's
+own first answers, so every schedule asks the same messages) and short one-line prompts. The
+reference runs each request alone: the members' prefix caches are emptied before it, which leaves
+what a new process has. Then the same requests in order, in reverse order, and all at once
+(``--clients`` threads) in one process, each setting of the llama.cpp members (``default``: the
+prefix cache as shipped; ``invariant``: ``history_invariant=True``); per schedule, how many answers
+equal the reference and the wall time::
+
+    python benchmarks/same_answers.py --determinism --preset quality --max-tokens 48 \
+        --out benchmarks/results/determinism/quality.json
+    python benchmarks/same_answers.py --determinism --members smollm2 --smoke   # seconds
 """
 
 from __future__ import annotations
@@ -217,15 +231,151 @@ def compare(before: Path, after: Path) -> int:
     return 1 if differ or missing else 0
 
 
+# -- determinism: order, history, concurrency ------------------------------------------------------
+DOCUMENT = " ".join(
+    f"Site {n}: the {part} was checked on day {n + 2}; {finding}."
+    for n, (part, finding) in enumerate(
+        [
+            ("north pump", "its seal leaked and was replaced"),
+            ("boiler", "the pressure stayed within limits"),
+            ("east valve", "it sticks below five degrees"),
+            ("roof fan", "one blade was cracked"),
+            ("air filter", "it was clogged and swapped"),
+            ("heat sensor", "its readings drift by two degrees"),
+            ("supply pipe", "rust was found near a joint"),
+            ("lift motor", "the bearings were noisy"),
+            ("backup generator", "it started in nine seconds"),
+            ("west tank", "the level gauge was stuck"),
+            ("fire door", "the closer was too slow"),
+            ("water heater", "the anode was worn"),
+        ]
+        * 2
+    )
+)
+QUESTIONS = [
+    "Which part leaked?",
+    "What was wrong with the roof fan?",
+    "When was the boiler checked?",
+    "Which parts were replaced or swapped?",
+    "How fast did the backup generator start?",
+]
+FOLLOW_UPS = [
+    "And the lift motor?",
+    "Which site was that?",
+    "Was anything replaced there?",
+    "Which of them was checked last?",
+    "Is that fast enough for a hospital?",
+]
+ONE_LINERS = [
+    "Explain why the sky is blue.",
+    "Give advice to someone learning to cook.",
+    "Write a haiku about rain.",
+    "What is a prime number?",
+]
+
+
+def _messages(question: str, history: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
+    system = {"role": "system", "content": f"Answer from this report.\n\n{DOCUMENT}"}
+    return [system, *(history or []), {"role": "user", "content": question}]
+
+
+def _llama_cpp_models(engine: Any) -> list[Any]:
+    models = {id(m.model): m.model for m in engine.members if hasattr(getattr(m, "model", None), "clear_prefix_cache")}
+    return list(models.values())
+
+
+def determinism(preset: str, members: list[str] | None, setting: str, clients: int, max_tokens: int) -> dict[str, Any]:
+    """The schedules of one preset and member setting (see the module docstring)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specem_core import SpecEM
+
+    member_kwargs = {"history_invariant": True} if setting == "invariant" else {}
+    if members:
+        engine = SpecEM.from_preset(
+            None, members=members, backend="llamacpp", max_new_tokens=max_tokens, member_kwargs=member_kwargs
+        )
+        preset = "+".join(members)
+    else:
+        engine = SpecEM.from_preset(preset, max_new_tokens=max_tokens, member_kwargs=member_kwargs)
+    models = _llama_cpp_models(engine)
+
+    def ask(messages: list[dict[str, str]]) -> str:
+        return str(engine.generate(messages).text)
+
+    def alone(messages: list[dict[str, str]]) -> str:
+        for model in models:
+            model.clear_prefix_cache()
+        return ask(messages)
+
+    requests: list[list[dict[str, str]]] = []
+    reference: list[str] = []
+    started = time.perf_counter()
+    for question, follow_up in zip(QUESTIONS, FOLLOW_UPS, strict=True):
+        first = _messages(question)
+        first_answer = alone(first)
+        second = _messages(follow_up, [first[-1], {"role": "assistant", "content": first_answer}])
+        requests += [first, second]
+        reference += [first_answer, alone(second)]
+    for line in ONE_LINERS:
+        requests.append([{"role": "user", "content": line}])
+        reference.append(alone(requests[-1]))
+    out: dict[str, Any] = {
+        "preset": preset,
+        "setting": setting,
+        "requests": len(requests),
+        "reference_seconds": round(time.perf_counter() - started, 1),
+        "reference": reference,
+        "schedules": {},
+    }
+    order = list(range(len(requests)))
+    for name in ("in_order", "reversed", "concurrent"):
+        started = time.perf_counter()
+        if name == "concurrent":
+            with ThreadPoolExecutor(clients) as pool:
+                answers = list(pool.map(lambda n: ask(requests[n]), order))
+        else:
+            sequence = order if name == "in_order" else order[::-1]
+            got = {n: ask(requests[n]) for n in sequence}
+            answers = [got[n] for n in order]
+        differ = [n for n in order if answers[n] != reference[n]]
+        out["schedules"][name] = {
+            "equal": len(order) - len(differ),
+            "differ": differ,
+            "seconds": round(time.perf_counter() - started, 1),
+            "answers": answers,
+        }
+        print(f"{preset} {setting} {name}: {len(order) - len(differ)}/{len(order)} equal to alone", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--real", action="store_true", help="also the shipped presets on the packaged models")
     parser.add_argument("--smoke", action="store_true", help="two tiny cases, one prompt")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("--determinism", action="store_true", help="order, history and concurrency (see above)")
+    parser.add_argument("--preset", default="quality", help="--determinism: the preset")
+    parser.add_argument("--members", nargs="+", help="--determinism: these members (llama.cpp) instead of a preset")
+    parser.add_argument("--settings", nargs="+", default=["default", "invariant"], choices=["default", "invariant"])
+    parser.add_argument("--clients", type=int, default=8, help="--determinism: threads of the concurrent schedule")
+    parser.add_argument("--max-tokens", type=int, default=32, help="--determinism: tokens an answer")
     args = parser.parse_args()
     if args.compare:
         return compare(*args.compare)
+    if args.determinism:
+        if args.smoke:
+            global QUESTIONS, FOLLOW_UPS, ONE_LINERS
+            QUESTIONS, FOLLOW_UPS, ONE_LINERS = QUESTIONS[:1], FOLLOW_UPS[:1], ONE_LINERS[:1]
+            args.max_tokens, args.clients = 4, 2
+        results = [determinism(args.preset, args.members, s, args.clients, args.max_tokens) for s in args.settings]
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return 0
     warnings.simplefilter("ignore", FutureWarning)  # old option names, on the new tree
     if args.smoke:
         global PROMPTS

@@ -236,7 +236,8 @@ def load_member(
             itself never appears in a spec).
         **kwargs: backend options: transformers' ``from_pretrained`` arguments (and the member's
             ``chat_template`` and ``request_batch_size``), or llama.cpp's ``n_ctx``, ``n_threads``,
-            ``max_contexts``, ``n_gpu_layers``, ``flash_attention``, ``chat_template``.
+            ``max_contexts``, ``n_gpu_layers``, ``flash_attention``, ``history_invariant``,
+            ``chat_template``.
 
     Raises:
         ModelNotFoundError: unknown name or backend, missing path, or weights that cannot be loaded.
@@ -277,7 +278,9 @@ def _load_http(
 ) -> Member:
     from specem_core.backends.http.factory import member_from_spec
 
-    local = sorted(set(kwargs) & {"n_ctx", "flash_attention", "prefix_cache", "prefix_cache_tokens"})
+    local = sorted(
+        set(kwargs) & {"n_ctx", "flash_attention", "prefix_cache", "prefix_cache_tokens", "history_invariant"}
+    )
     if local:
         raise ConfigError(
             f"{', '.join(local)} set for server member {resolved.source!r}: these are options of local members; "
@@ -324,6 +327,11 @@ def _load_transformers(
         raise ConfigError(
             f"n_ctx set for transformers member {spec!r}: it is an option of llama.cpp members; a transformers "
             "member reads up to its model's max_position_embeddings"
+        )
+    if kwargs.pop("history_invariant", False):
+        raise ConfigError(
+            f"history_invariant set for transformers member {spec!r}: it is an option of llama.cpp members; a "
+            "transformers member batches concurrent requests' decode steps, which moves the last bits of a logit"
         )
     if "flash_attention" in kwargs:
         raise ConfigError(

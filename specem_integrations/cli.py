@@ -118,6 +118,13 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
         "or another request with the same system prompt prefills only its new tokens)",
     )
     parser.add_argument(
+        "--history-invariant",
+        action="store_true",
+        help="llama.cpp members answer each request as they would alone in a new process, whatever ran before "
+        "or beside it (the prefix cache keeps only rows a cold prefill computes identically; follow-up turns "
+        "prefill the previous answer again)",
+    )
+    parser.add_argument(
         "--prefix-cache-tokens",
         type=int,
         default=None,
@@ -351,6 +358,8 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
         options["prefix_cache"] = False
     if getattr(args, "prefix_cache_tokens", None) is not None:
         options["prefix_cache_tokens"] = args.prefix_cache_tokens
+    if getattr(args, "history_invariant", False):
+        options["history_invariant"] = True
     return options
 
 

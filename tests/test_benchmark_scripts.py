@@ -43,7 +43,10 @@ MODES: dict[str, list[str]] = {
     "multiturn.py": ["--smoke --out {tmp}/out.json"],
     "multiturn_servers.py": ["--smoke --out {tmp}/out.json"],
     "quality.py": ["run humaneval --configs smollm2 --limit 1", "report"],
-    "same_answers.py": ["--smoke --out {tmp}/out.json"],
+    "same_answers.py": [
+        "--smoke --out {tmp}/out.json",
+        "--determinism --members smollm2 --smoke --out {tmp}/determinism.json",
+    ],
     "serve_load.py": [
         "--clients 1 --max-tokens 4 --model smollm2 --prompts 1 --disconnect 1 --disconnect-tokens 8 --settle 0"
         " --metrics-dir {tmp} --out {tmp}/out.json"

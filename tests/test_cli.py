@@ -353,6 +353,21 @@ def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(t
         args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
         with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
             _engine(_resolve(args, io.StringIO()))
+        flags = ["--backend", "transformers", "--history-invariant"]
+        args = _parser().parse_args(["chat", "hi", "--model", model, *flags])
+        with pytest.raises(ConfigError, match=f"history_invariant set for {named}"):
+            _engine(_resolve(args, io.StringIO()))
+
+
+def test_history_invariant_reaches_a_llama_cpp_member() -> None:
+    import io
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from specem_integrations.cli import _engine, _parser, _resolve
+
+    args = _parser().parse_args(["chat", "hi", "--model", "llamacpp:smollm2", "--history-invariant"])
+    (member,) = _engine(_resolve(args, io.StringIO())).members
+    assert member.model.history_invariant is True
 
 
 def test_the_start_up_line_says_which_member_is_trusted_and_why() -> None:

@@ -31,6 +31,7 @@ from specem_core.backends.llama_cpp._binding import (
     CANDIDATE_ROOM,
     COMPACT_AFTER,
     DEFAULT_N_CTX,
+    INVARIANT_CHUNK,
     NATIVE_CALLS,
     Context,
     LlamaCppError,
@@ -82,6 +83,18 @@ class LlamaCppModel:
             freed), and the host-memory copies of long prefixes may hold as many tokens again
             (default :data:`~specem_core.backends._prefix_cache.DEFAULT_PREFIX_CACHE_TOKENS`: two idle
             contexts of 8,192 cells).
+        history_invariant: a request's greedy answer does not depend on what ran before it or
+            beside it in the process. Prompts are prefilled in chunks of
+            :data:`~specem_core.backends.llama_cpp._binding.INVARIANT_CHUNK` tokens at positions
+            divisible by it, and the prefix cache hands a later request only rows such a prefill
+            computed, in whole chunks, in a context that holds nothing else: the rows it reuses are
+            bit for bit the ones a cold prefill computes (llama.cpp's kernels are not
+            batch-invariant for most weight types, so a row computed in another batch shape, such
+            as a decoded answer token, would differ). Decodes use ``n_threads`` threads whatever
+            the load (``"auto"``'s maximum), since the thread count moves flash attention's
+            logits too. The price is on follow-up turns, which prefill the previous answer again,
+            and on a busy CPU (measured in docs/reports/performance.md, "History-invariant
+            answers").
 
     Raises:
         ModelNotFoundError: the file is missing, not a GGUF, truncated, or llama.cpp cannot load it.
@@ -100,6 +113,7 @@ class LlamaCppModel:
         wait_seconds: float = 600.0,
         prefix_cache: bool = True,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        history_invariant: bool = False,
     ) -> None:
         from specem_core.gguf import validate_gguf
 
@@ -137,6 +151,9 @@ class LlamaCppModel:
         self._pool: list[Context] = []
         """Idle contexts holding no rows."""
         self.prefix_cache = prefix_cache
+        if not isinstance(history_invariant, bool):
+            raise ConfigError(f"history_invariant must be True or False, got {history_invariant!r}")
+        self.history_invariant = history_invariant
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
         self.prefixes: PrefixStore[Context] = PrefixStore(
             self.prefix_cache_tokens, self._free_context, cost=lambda _ids: self.n_ctx
@@ -179,8 +196,12 @@ class LlamaCppModel:
 
     def decode_threads(self) -> AbstractContextManager[int]:
         """Threads for the decode the block runs: the pinned count, or what the free cores allow
-        (the decode counts as running meanwhile, for the decodes that start beside it)."""
-        if self.auto_threads:
+        (the decode counts as running meanwhile, for the decodes that start beside it). With
+        ``history_invariant`` always ``n_threads``: llama.cpp's flash-attention decode step splits
+        the cached rows among its threads, so its logits change with their number. (Concurrent
+        decodes then share the cores; letting them take turns instead measured slower:
+        docs/reports/performance.md, "History-invariant answers".)"""
+        if self.auto_threads and not self.history_invariant:
             return free_cores().decoding(self.n_threads)
         return contextlib.nullcontext(self.n_threads)
 
@@ -277,6 +298,8 @@ class LlamaCppModel:
         cleared instead, as is one whose ballast the session would refill at its first commit.
         """
         ballast = context.ballast
+        if self.history_invariant:  # whole chunks only (the context holds no ballast then)
+            reused -= reused % INVARIANT_CHUNK
         if (
             reused <= 0
             or ballast > max(COMPACT_AFTER, prompt_len)

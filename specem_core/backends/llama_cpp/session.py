@@ -107,6 +107,9 @@ class LlamaCppSession(LocalSession):
         self._ctx: Context | None = None
         self._length = 0
         """Positions of the session's sequence (0) held in the KV cache."""
+        self._exact = 0
+        """Leading positions of sequence 0 whose rows a prompt prefill computed (in chunks aligned
+        as a cold prefill's, with ``history_invariant``) and nothing has replaced since."""
         self._committed_logits: Any = None
         """Next-token logits after the committed prefix."""
         self._next_logits: Any = None
@@ -211,10 +214,17 @@ class LlamaCppSession(LocalSession):
         committed prefix), so the next session's cell-order rule holds."""
         assert self._ctx is not None
         keep = self.reusable_prefix()
+        if self._model.history_invariant:  # only a prompt prefill's rows (the model hands over whole chunks)
+            keep = keep[: self._exact]
         if not keep:
             return []
         self._drop_scratch()
         self._set_length(len(keep))
+        if self._model.history_invariant:
+            # every retired cell lies above the prefill's rows: the context then holds the kept
+            # rows alone, in cells 0.., as a cold prefill leaves them
+            self._ctx.drop_ballast()
+            self._ballast = 0
         return keep
 
     def _ensure_prefilled(self) -> None:
@@ -226,7 +236,8 @@ class LlamaCppSession(LocalSession):
             self.cached_tokens = reused
             ids = self._prompt_ids[reused:] + self._resp_ids
             self.prefilled_tokens += len(ids)
-            self._next_logits = self._feed(ids)
+            self._next_logits = self._feed(ids, aligned=True)
+            self._exact = self._length
             self._committed_logits = self._next_logits
             self._cached_resp = list(self._resp_ids)
         elif self._behind is not None:  # catch up with the deferred commits in one batch
@@ -236,11 +247,13 @@ class LlamaCppSession(LocalSession):
             self._committed_logits = self._next_logits
             self._cached_resp = list(self._resp_ids)
 
-    def _feed(self, ids: Sequence[int]) -> Any:
-        """Append ``ids`` to the session's sequence; return the next-token logits."""
+    def _feed(self, ids: Sequence[int], *, aligned: bool = False) -> Any:
+        """Append ``ids`` to the session's sequence; return the next-token logits (``aligned``: a
+        prompt prefill, split as a cold one is with ``history_invariant``)."""
         assert self._ctx is not None
         n = len(ids)
-        work = Work(list(ids), list(range(self._length, self._length + n)), [0] * n, [None] * (n - 1) + [-1])
+        positions = list(range(self._length, self._length + n))
+        work = Work(list(ids), positions, [0] * n, [None] * (n - 1) + [-1], aligned=aligned)
         self._ctx.decode(work)
         self._length += n
         return work.rows[n - 1]
@@ -250,6 +263,7 @@ class LlamaCppSession(LocalSession):
         if self._length > n:
             self._ctx.truncate(0, n)
             self._length = n
+            self._exact = min(self._exact, n)
 
     def _cache_length(self) -> int:
         return self._length
@@ -309,6 +323,7 @@ class LlamaCppSession(LocalSession):
             if below > row.start:
                 self._retire(0, row.start, below)
             ctx.truncate(0, row.start)
+            self._exact = min(self._exact, row.start)
         ctx.share(row.seq, 0, row.start, row.cache_len)
         for entry in self._scratch:
             if entry.seq == row.seq:
@@ -338,8 +353,9 @@ class LlamaCppSession(LocalSession):
         self._scratch.clear()
         self._behind = None
         self._ballast = 0
-        self._length = 0
-        self._committed_logits = self._next_logits = self._feed(self._prompt_ids + self._resp_ids)
+        self._length = self._exact = 0
+        self._committed_logits = self._next_logits = self._feed(self._prompt_ids + self._resp_ids, aligned=True)
+        self._exact = self._length
         self._cached_resp = list(self._resp_ids)
 
     # -- drafting ---------------------------------------------------------------------------
