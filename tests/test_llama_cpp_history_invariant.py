@@ -1,18 +1,20 @@
 """``history_invariant`` on the llama.cpp backend (``LlamaCppModel``): a request's logits and greedy
 drafts are bit for bit those of a new process, after other requests and beside them, while the
-prefix cache still hands over whole chunks of a shared prompt. On the packaged Qwen2.5-0.5B, whose
-kernels are not batch-invariant, so that reused rows from another batch shape would show."""
+prefix cache still hands over whole chunks of a shared prompt. On the packaged Qwen2.5-0.5B and
+1.5B, whose kernels are not batch-invariant, so that reused rows from another batch shape would
+show, and SmolLM2, whose flash-attention decode step moves with the thread count."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
+
+from test_build_scripts import AVX512  # the CPU check the llama.cpp build uses
 
 from specem_core import Candidate, ConfigError, SamplingParams, SessionRequest, load_member
 from specem_core.backends.llama_cpp import LlamaCppMember, LlamaCppModel
@@ -182,17 +184,6 @@ def test_prefills_run_in_aligned_chunks_and_only_their_rows_are_kept(gguf: Any) 
         assert context._lib.llama_memory_seq_pos_max(context._mem, BALLAST) == -1  # the retired cells freed
 
 
-def _cpu_has(*flags: str) -> bool:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return set(flags) <= set(line.split(":", 1)[1].split())
-
-
-_AVX512 = _cpu_has("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
-
-
 def _smollm2() -> Any:
     return _gguf("smollm2")
 
@@ -211,7 +202,7 @@ def test_decodes_use_every_thread_whatever_the_load() -> None:
             assert (first, beside) == (model.n_threads, model.n_threads)
 
 
-@pytest.mark.skipif(_AVX512, reason="measured with the AVX2 build; this CPU runs the AVX512 one")
+@pytest.mark.skipif(AVX512, reason="measured with the AVX2 build; this CPU runs the AVX512 one")
 def test_the_thread_count_moves_a_flash_attention_decode_step() -> None:
     """Why the count is fixed: SmolLM2 (Q4_1, flash attention on) decodes a step on a cached
     prompt with other logits on 1 thread than on 2 (measured with the AVX2 build that CPUs without
