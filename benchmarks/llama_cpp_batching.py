@@ -21,6 +21,14 @@ attention on), with the prefix decoded once and copied to every client's sequenc
 No engine, HTTP or scoring work is in either figure, so both are lower bounds of what a server
 reaches; the batched one is the best a shared-context redesign could do for the first segment.
 Results: ``benchmarks/results/llama_cpp_batching.json``.
+
+**Ceiling** (``--ceiling``): the most a shared context can give concurrent decoding on this CPU:
+1, 8, 16 and 32 sequences (``--sequences``), each on its own cached prefix, decoding one token each
+per ``llama_decode`` call with logits for every token (what drafting sessions need), flash attention
+as SpecEM sets it for the model's weights; tokens/s and the ratio to one sequence::
+
+    python benchmarks/llama_cpp_batching.py --ceiling --model qwen2.5-coder \
+        --out benchmarks/results/llama_cpp_batched_ceiling.json
 """
 
 from __future__ import annotations
@@ -156,6 +164,78 @@ def measure(
     }
 
 
+def ceiling(model_name: str, sequences: list[int], prefix_tokens: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Tokens/s of ``steps`` one-token-per-sequence decode calls for each count of ``sequences``."""
+    from specem_core.backends.llama_cpp._binding import load_library
+    from specem_core.backends.llama_cpp.model import flash_attn_type
+    from specem_core.models import find_packaged, packaged_gguf
+
+    packaged = find_packaged(model_name)
+    if packaged is None:
+        raise SystemExit(f"unknown packaged model {model_name!r}")
+    lib = load_library()  # initialised once, quiet
+    model = lib.llama_model_load_from_file(str(packaged_gguf(packaged)).encode(), lib.llama_model_default_params())
+    vocab = lib.llama_model_get_vocab(model)
+    text = (PARAGRAPH * (prefix_tokens // 10 + 1)).encode()
+    buf = (lib.llama_token * (len(text) + 8))()
+    count = lib.llama_tokenize(vocab, text, len(text), buf, len(text) + 8, True, False)
+    prefix = list(buf[: min(count, prefix_tokens)])
+    most = max(sequences)
+    size = ctypes_string(lib, model, "general.file_type")
+    params = lib.llama_context_default_params()
+    params.n_ctx = most * (len(prefix) + steps + 16)
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = most
+    params.n_threads = params.n_threads_batch = 2
+    params.kv_unified, params.no_perf = True, True
+    params.flash_attn_type = flash_attn_type(None, int(size) if size.isdigit() else None, 0)
+    ctx = lib.llama_init_from_model(model, params)
+    memory = lib.llama_get_memory(ctx)
+    batch = lib.llama_batch_init(512, 0, 1)
+    rows: dict[int, dict[str, float]] = {}
+    try:
+        for seq in range(most):  # each sequence its own prefix rows, as separate requests have
+            _decode(lib, ctx, batch, [(t, i, seq) for i, t in enumerate(prefix)])
+        for n in sequences:
+            runs = []
+            for _ in range(repeats + 1):  # the first run warms up
+                for seq in range(n):
+                    lib.llama_memory_seq_rm(memory, seq, len(prefix), -1)
+                start = time.perf_counter()
+                for k in range(steps):
+                    items = [(prefix[k % len(prefix)], len(prefix) + k, seq) for seq in range(n)]
+                    _decode(lib, ctx, batch, items)
+                runs.append(n * steps / (time.perf_counter() - start))
+            rows[n] = {"tokens_per_s": round(statistics.median(runs[1:]), 1)}
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    base = rows[min(rows)]["tokens_per_s"]
+    for row in rows.values():
+        row["x_one_sequence"] = round(row["tokens_per_s"] / base, 2)
+    return {
+        "model": model_name,
+        "file_type": size,
+        "flash_attn_type": int(params.flash_attn_type),
+        "prefix_tokens": len(prefix),
+        "steps": steps,
+        "repeats": repeats,
+        "threads": 2,
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "sequences": rows,
+    }
+
+
+def ctypes_string(lib: Any, model: Any, key: str) -> str:
+    """A GGUF metadata value as text ('' when missing)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)
+    n = int(lib.llama_model_meta_val_str(model, key.encode(), buf, 256))
+    return buf.value.decode() if n >= 0 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -167,8 +247,28 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2, 3 clients, 40 + 4 tokens")
+    parser.add_argument("--ceiling", action="store_true", help="tokens/s of 1, 8, 16, 32 sequences (see above)")
+    parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8, 16, 32], help="--ceiling: counts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.ceiling:
+        if args.smoke:
+            args.model, args.sequences, args.prefix_tokens, args.steps, args.repeats = (
+                "smollm2-135m-instruct",
+                [1, 2],
+                16,
+                2,
+                1,
+            )
+        prefix = 64 if args.prefix_tokens == 1100 else args.prefix_tokens  # --ceiling's default prefix
+        steps = 16 if args.steps == 6 else args.steps
+        result = ceiling(args.model, args.sequences, prefix, steps, args.repeats)
+        for n, row in result["sequences"].items():
+            print(f"{n:3d} sequences: {row['tokens_per_s']:7.1f} tokens/s  x{row['x_one_sequence']:.2f}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return
     if args.smoke:
         args.model, args.clients, args.prefix_tokens, args.new_tokens, args.steps, args.repeats = (
             "smollm2-135m-instruct",

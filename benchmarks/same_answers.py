@@ -26,7 +26,8 @@ own first answers, so every schedule asks the same messages) and short one-line 
 reference runs each request alone: the members' prefix caches are emptied before it, which leaves
 what a new process has. Then the same requests in order, in reverse order, and all at once
 (``--clients`` threads) in one process, each setting of the llama.cpp members (``default``: the
-prefix cache as shipped; ``invariant``: ``history_invariant=True``); per schedule, how many answers
+prefix cache as shipped; ``invariant``: ``history_invariant=True``; ``continuous``:
+``continuous_batching=True``, the concurrent requests sharing decode calls); per schedule, how many answers
 equal the reference and the wall time::
 
     python benchmarks/same_answers.py --determinism --preset quality --max-tokens 48 \
@@ -279,6 +280,14 @@ def _messages(question: str, history: list[dict[str, str]] | None = None) -> lis
     return [system, *(history or []), {"role": "user", "content": question}]
 
 
+SETTINGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "invariant": {"history_invariant": True},
+    "continuous": {"continuous_batching": True},
+}
+"""The llama.cpp members' options of each ``--settings`` name."""
+
+
 def _llama_cpp_models(engine: Any) -> list[Any]:
     models = {id(m.model): m.model for m in engine.members if hasattr(getattr(m, "model", None), "clear_prefix_cache")}
     return list(models.values())
@@ -291,7 +300,7 @@ def determinism(preset: str, members: list[str] | None, setting: str, clients: i
 
     from specem_core import SpecEM
 
-    member_kwargs = {"history_invariant": True} if setting == "invariant" else {}
+    member_kwargs = SETTINGS[setting]
     if members:
         engine = SpecEM.from_preset(
             None, members=members, backend="llamacpp", max_new_tokens=max_tokens, member_kwargs=member_kwargs
@@ -359,7 +368,7 @@ def main() -> int:
     parser.add_argument("--determinism", action="store_true", help="order, history and concurrency (see above)")
     parser.add_argument("--preset", default="quality", help="--determinism: the preset")
     parser.add_argument("--members", nargs="+", help="--determinism: these members (llama.cpp) instead of a preset")
-    parser.add_argument("--settings", nargs="+", default=["default", "invariant"], choices=["default", "invariant"])
+    parser.add_argument("--settings", nargs="+", default=["default", "invariant"], choices=list(SETTINGS))
     parser.add_argument("--clients", type=int, default=8, help="--determinism: threads of the concurrent schedule")
     parser.add_argument("--max-tokens", type=int, default=32, help="--determinism: tokens an answer")
     args = parser.parse_args()

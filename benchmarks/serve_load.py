@@ -21,7 +21,8 @@ Every request is greedy, streams, asks for ``stream_options.include_usage`` and,
    that differ from the reference (greedy, so they should not; a backend that batches requests
    may change the last bits of a logit, which is reported, not hidden), throughput relative to
    the one-client level of the same run, and for transformers members how many requests' decode
-   steps shared a forward pass (``/health``'s ``decode_batching``, rows per pass).
+   steps shared a forward pass (``/health``'s ``decode_batching``, rows per pass; for llama.cpp
+   members with ``--server-arg=--continuous-batching``, sessions per ``llama_decode`` call).
 3. **Disconnect** (``--disconnect 20``): that many clients start long answers, read the first
    content chunk and drop the connection. The server must come back to idle (``/health``:
    nothing running or queued, ``sessions_open == 0``, no engine worker thread) and its RSS
@@ -300,6 +301,13 @@ def _batching_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     out = {}
     for device, now in after.items():
         was = before.get(device, {})
+        if "calls" in now:  # a llama.cpp model with continuous batching
+            delta = {k: now[k] - was.get(k, 0) for k in ("calls", "shared_calls", "jobs", "tokens")}
+            delta["seconds"] = round(now["seconds"] - was.get("seconds", 0.0), 3)
+            delta["largest"] = now["largest"]
+            delta["rows_per_pass"] = delta["jobs"] / delta["calls"] if delta["calls"] else None
+            out[device] = delta
+            continue
         counts = ("passes", "decode_steps", "score_passes", "score_blocks", "prefill_passes", "prefills")
         counts += ("other_passes",)
         delta = {k: now[k] - was.get(k, 0) for k in counts}

@@ -237,7 +237,7 @@ def load_member(
         **kwargs: backend options: transformers' ``from_pretrained`` arguments (and the member's
             ``chat_template`` and ``request_batch_size``), or llama.cpp's ``n_ctx``, ``n_threads``,
             ``max_contexts``, ``n_gpu_layers``, ``flash_attention``, ``history_invariant``,
-            ``chat_template``.
+            ``continuous_batching``, ``chat_template``.
 
     Raises:
         ModelNotFoundError: unknown name or backend, missing path, or weights that cannot be loaded.
@@ -267,6 +267,17 @@ def load_member(
     )
 
 
+_LOCAL_ONLY = {
+    "n_ctx",
+    "flash_attention",
+    "prefix_cache",
+    "prefix_cache_tokens",
+    "history_invariant",
+    "continuous_batching",
+}
+"""Options of local members that a server member refuses (its server decides them)."""
+
+
 def _load_http(
     resolved: _Resolved,
     *,
@@ -278,9 +289,7 @@ def _load_http(
 ) -> Member:
     from specem_core.backends.http.factory import member_from_spec
 
-    local = sorted(
-        set(kwargs) & {"n_ctx", "flash_attention", "prefix_cache", "prefix_cache_tokens", "history_invariant"}
-    )
+    local = sorted(set(kwargs) & _LOCAL_ONLY)
     if local:
         raise ConfigError(
             f"{', '.join(local)} set for server member {resolved.source!r}: these are options of local members; "
@@ -332,6 +341,11 @@ def _load_transformers(
         raise ConfigError(
             f"history_invariant set for transformers member {spec!r}: it is an option of llama.cpp members; a "
             "transformers member batches concurrent requests' decode steps, which moves the last bits of a logit"
+        )
+    if kwargs.pop("continuous_batching", False):
+        raise ConfigError(
+            f"continuous_batching set for transformers member {spec!r}: it is an option of llama.cpp members; a "
+            "transformers member always batches concurrent requests' decode steps"
         )
     if "flash_attention" in kwargs:
         raise ConfigError(

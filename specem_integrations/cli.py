@@ -125,6 +125,12 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
         "prefill the previous answer again)",
     )
     parser.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="concurrent requests share each llama.cpp member's decode calls (one context per member with n_ctx "
+        "cells for each of 8 requests; more tokens per second under load, answers that vary with it)",
+    )
+    parser.add_argument(
         "--prefix-cache-tokens",
         type=int,
         default=None,
@@ -360,6 +366,8 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
         options["prefix_cache_tokens"] = args.prefix_cache_tokens
     if getattr(args, "history_invariant", False):
         options["history_invariant"] = True
+    if getattr(args, "continuous_batching", False):
+        options["continuous_batching"] = True
     return options
 
 

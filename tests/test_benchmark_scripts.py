@@ -37,7 +37,7 @@ MODES: dict[str, list[str]] = {
     "http_rounds.py": ["--models smollm2 smollm2 --rounds 1 --segment-len 2 --out {tmp}/out.json"],
     "llama_cpp_builds.py": ["--levels {level} --tokens 4 --repeats 1 --models smollm2 --out {tmp}/out.json"],
     "llama_cpp_kernels.py": ["--models smollm2 --repeats 1 --out {tmp}/out.json"],
-    "llama_cpp_batching.py": ["--smoke --out {tmp}/out.json"],
+    "llama_cpp_batching.py": ["--smoke --out {tmp}/out.json", "--ceiling --smoke --out {tmp}/out.json"],
     "llama_cpp_prefill.py": ["--smoke --out {tmp}/out.json"],
     "memory.py": ["--members smollm2 --max-new-tokens 4 --concurrent 1 --out {tmp}/out.json"],
     "multiturn.py": ["--smoke --out {tmp}/out.json"],

@@ -353,10 +353,10 @@ def test_local_member_options_reach_the_members_and_misplaced_ones_are_refused(t
         args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", "--n-ctx", "64"])
         with pytest.raises(ConfigError, match=f"n_ctx set for {named}"):
             _engine(_resolve(args, io.StringIO()))
-        flags = ["--backend", "transformers", "--history-invariant"]
-        args = _parser().parse_args(["chat", "hi", "--model", model, *flags])
-        with pytest.raises(ConfigError, match=f"history_invariant set for {named}"):
-            _engine(_resolve(args, io.StringIO()))
+        for flag in ("history-invariant", "continuous-batching"):
+            args = _parser().parse_args(["chat", "hi", "--model", model, "--backend", "transformers", f"--{flag}"])
+            with pytest.raises(ConfigError, match=f"{flag.replace('-', '_')} set for {named}"):
+                _engine(_resolve(args, io.StringIO()))
 
 
 def test_history_invariant_reaches_a_llama_cpp_member() -> None:
@@ -368,6 +368,20 @@ def test_history_invariant_reaches_a_llama_cpp_member() -> None:
     args = _parser().parse_args(["chat", "hi", "--model", "llamacpp:smollm2", "--history-invariant"])
     (member,) = _engine(_resolve(args, io.StringIO())).members
     assert member.model.history_invariant is True
+    assert member.model.shared is None
+
+
+def test_continuous_batching_reaches_a_llama_cpp_member() -> None:
+    import io
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from specem_integrations.cli import _engine, _parser, _resolve
+
+    args = _parser().parse_args(["serve", "--model", "llamacpp:smollm2", "--continuous-batching"])
+    (member,) = _engine(_resolve(args, io.StringIO())).members
+    assert member.model.continuous_batching is True
+    assert member.model.shared is not None
+    assert member.model.shared.slots == member.model.max_contexts
 
 
 def test_the_start_up_line_says_which_member_is_trusted_and_why() -> None:

@@ -14,11 +14,12 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
 
+from packaged_gguf import packaged_gguf_or_skip
 from test_build_scripts import AVX512  # the CPU check the llama.cpp build uses
 
 from specem_core import Candidate, ConfigError, SamplingParams, SessionRequest, load_member
 from specem_core.backends.llama_cpp import LlamaCppMember, LlamaCppModel
-from specem_core.backends.llama_cpp._binding import BALLAST, INVARIANT_CHUNK
+from specem_core.backends.llama_cpp._binding import BALLAST, INVARIANT_CHUNK, Context
 from specem_core.testing.llama_cpp_diagnostics import batch_noise
 
 DOC = " ".join(
@@ -44,13 +45,7 @@ LONG = 80
 
 
 def _gguf(name: str = "qwen2.5-coder") -> Any:
-    from specem_core.models import find_packaged, is_assembled, is_installed, packaged_gguf
-
-    model = find_packaged(name)
-    assert model is not None
-    if not (is_installed(model) or is_assembled(model)):
-        pytest.skip(f"{model.name} is not installed: specem models pull {model.name} --backend llamacpp")
-    return packaged_gguf(model)
+    return packaged_gguf_or_skip(name)
 
 
 @pytest.fixture(scope="module", params=["qwen2.5-coder", "qwen2.5-coder-1.5b"])
@@ -181,6 +176,7 @@ def test_prefills_run_in_aligned_chunks_and_only_their_rows_are_kept(gguf: Any) 
         [entry] = model.prefixes._entries
         assert list(entry.ids) == prompt
         context = entry.value
+        assert isinstance(context, Context)
         assert context._lib.llama_memory_seq_pos_max(context._mem, BALLAST) == -1  # the retired cells freed
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from packaged_gguf import packaged_gguf_or_skip
 
 from specem_core import ConfigError
 from specem_core.backends.llama_cpp import _threads
@@ -207,13 +208,7 @@ llama_cpp_missing = pytest.mark.skipif(
 
 
 def _gguf(name: str) -> Path:
-    from specem_core.models import find_packaged, is_assembled, is_installed, packaged_gguf
-
-    model = find_packaged(name)
-    assert model is not None
-    if not (is_installed(model) or is_assembled(model)):
-        pytest.skip(f"{model.name} is not installed: specem models pull {model.name} --backend llamacpp")
-    return packaged_gguf(model)
+    return packaged_gguf_or_skip(name)
 
 
 @pytest.fixture

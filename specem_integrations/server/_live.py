@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from specem_core.backends.base import BatchingMember, BreakerMember, VerificationMember
+from specem_core.backends.llama_cpp import SharedStats
 from specem_core.engine import SpecEM
 from specem_integrations.server._admission import Admission, Stats
 from specem_integrations.server._metrics import LiveState
@@ -94,8 +95,24 @@ class LiveView:
         """Per device queue (transformers members batching across requests): passes that served
         decode steps, the steps, how many shared a pass on average and at most; verification
         passes and the blocks they served; prefill passes and the prompts they served; other
-        passes (rollbacks, multi-token feeds); device seconds in each kind."""
+        passes (rollbacks, multi-token feeds); device seconds in each kind. Per llama.cpp model
+        with continuous batching (``llama.cpp:NAME``): its ``llama_decode`` calls, those that
+        served several sessions, the pieces of work served (``jobs``: a draft step, a verification
+        block, a prefill chunk), sessions per call on average and at most, tokens and seconds."""
         out: dict[str, dict[str, Any]] = {}
+        for member in self.engine.members:
+            shared = getattr(member, "shared_stats", None)
+            model = getattr(getattr(member, "model", None), "name", member.name)
+            if isinstance(shared, SharedStats) and f"llama.cpp:{model}" not in out:
+                out[f"llama.cpp:{model}"] = {
+                    "calls": shared.calls,
+                    "shared_calls": shared.shared_calls,
+                    "jobs": shared.jobs,
+                    "sessions_per_call": round(shared.sessions_per_call, 3),
+                    "largest": shared.largest,
+                    "tokens": shared.tokens,
+                    "seconds": round(shared.seconds, 3),
+                }
         for member in self.engine.members:
             stats = member.batch_stats if isinstance(member, BatchingMember) else None
             if stats is not None and f"torch:{stats.device}" not in out:

@@ -68,3 +68,35 @@ def test_request_batch_size_1_turns_batching_off() -> None:
         assert _ask(server, PROMPTS[0])
     finally:
         server.cleanup()
+
+
+def test_continuous_batching_shares_llama_cpp_calls_across_requests() -> None:
+    """``--continuous-batching``: concurrent requests on a llama.cpp member share its decode calls
+    (``/health`` shows them per model); every request is answered in full."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
+    server = start_serve(
+        ["--model", "smollm2", "--backend", "llamacpp", "--continuous-batching", "--max-concurrency", "4"]
+    )
+    try:
+        (name, before), *others = server.health()["decode_batching"].items()
+        assert not others
+        assert name.startswith("llama.cpp:")
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: _ask(server, p), PROMPTS))
+        assert all(together)
+        after = server.health()["decode_batching"][name]
+        assert after["jobs"] - before["jobs"] >= len(PROMPTS) * 20
+        assert after["shared_calls"] > before["shared_calls"]
+        assert after["largest"] >= 3
+        server.wait_idle()
+    finally:
+        server.cleanup()
+
+
+def test_without_continuous_batching_llama_cpp_reports_no_queue() -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
+    server = start_serve(["--model", "smollm2", "--backend", "llamacpp"])
+    try:
+        assert server.health()["decode_batching"] == {}
+    finally:
+        server.cleanup()

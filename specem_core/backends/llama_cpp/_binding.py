@@ -66,6 +66,29 @@ class LoadedModel(Protocol):
         ...
 
 
+class KVContext(Protocol):
+    """What a session holds its KV rows in: a private :class:`Context`, or a slot of a context
+    shared by the model's sessions (:class:`~specem_core.backends.llama_cpp._shared.Slot`)."""
+
+    free_scratch: list[int]
+    ballast: int
+    held: list[int]
+    copying: threading.Lock
+
+    def reset(self) -> None: ...
+    def truncate(self, seq: int, length: int) -> None: ...
+    def try_truncate(self, seq: int, length: int) -> bool: ...
+    def drop_ballast(self) -> None: ...
+    def save_sequence(self) -> Any: ...
+    def load_sequence(self, data: Any) -> bool: ...
+    def share(self, src: int, dst: int, start: int, end: int) -> None: ...
+    def take_scratch(self) -> int: ...
+    def drop_scratch(self, seq: int) -> None: ...
+    def decode(self, work: Work) -> Work: ...
+    def stepping(self) -> AbstractContextManager[None]: ...
+    def close(self) -> None: ...
+
+
 class LlamaCppError(SpecEMError, RuntimeError):
     """llama.cpp refused a call (no KV slot left, no free context, a failed decode)."""
 
@@ -194,13 +217,40 @@ class Work:
     rows: dict[int, Any] = field(default_factory=dict)
 
 
-class Context:
+class SequenceBook:
+    """The sequences of one session's KV rows: cutting them, and the free scratch sequences (shared
+    by a private :class:`Context` and a slot of a shared one)."""
+
+    free_scratch: list[int]
+    name: str
+    """The model's name, for errors."""
+
+    def try_truncate(self, seq: int, length: int) -> bool:
+        raise NotImplementedError
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep positions ``[0, length)`` of ``seq``."""
+        if not self.try_truncate(seq, length):
+            raise LlamaCppError(f"{self.name}: could not remove positions >= {length} of sequence {seq}")
+
+    def take_scratch(self) -> int:
+        if not self.free_scratch:
+            raise LlamaCppError(f"{self.name}: more than {SCRATCH_SEQUENCES} candidates in one pass")
+        return self.free_scratch.pop()
+
+    def drop_scratch(self, seq: int) -> None:
+        self.truncate(seq, 0)
+        self.free_scratch.append(seq)
+
+
+class Context(SequenceBook):
     """One ``llama_context``: a KV cache with sequence 0 for a session and scratch sequences."""
 
     def __init__(self, model: LoadedModel) -> None:
         lib = model.lib
         self._lib = lib
         self._model = model
+        self.name = model.name
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = model.n_ctx
         cparams.n_batch = model.n_batch
@@ -235,11 +285,6 @@ class Context:
         self.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
         self.ballast = 0
         self.held = []
-
-    def truncate(self, seq: int, length: int) -> None:
-        """Keep positions ``[0, length)`` of ``seq``."""
-        if not self.try_truncate(seq, length):
-            raise LlamaCppError(f"{self._model.name}: could not remove positions >= {length} of sequence {seq}")
 
     def drop_ballast(self) -> None:
         """Free the cells retired to the ballast sequence (safe only when every cell of sequence 0
@@ -282,14 +327,9 @@ class Context:
         """Let ``dst`` see positions ``[start, end)`` of ``src`` (cells are shared, not copied)."""
         self._lib.llama_memory_seq_cp(self._mem, src, dst, start, end)
 
-    def take_scratch(self) -> int:
-        if not self.free_scratch:
-            raise LlamaCppError(f"{self._model.name}: more than {SCRATCH_SEQUENCES} candidates in one pass")
-        return self.free_scratch.pop()
-
-    def drop_scratch(self, seq: int) -> None:
-        self.truncate(seq, 0)
-        self.free_scratch.append(seq)
+    def stepping(self) -> AbstractContextManager[None]:
+        """Around a draft or a verification (a private context waits for no other session)."""
+        return contextlib.nullcontext()
 
     def decode(self, work: Work) -> Work:
         """Run ``work`` (split into calls of at most ``n_batch`` tokens and ``MAX_OUTPUTS`` rows) with

@@ -9,6 +9,7 @@ from typing import Any
 from specem_core.backends._local import LocalVocabulary
 from specem_core.backends.base import SessionRequest
 from specem_core.backends.llama_cpp._binding import CANDIDATE_ROOM
+from specem_core.backends.llama_cpp._shared import SharedStats
 from specem_core.backends.llama_cpp.model import LlamaCppModel
 from specem_core.backends.llama_cpp.session import LlamaCppSession
 from specem_core.chat_format import ChatFormat, JinjaChatTemplate
@@ -97,6 +98,13 @@ class LlamaCppMember(LocalVocabulary):
     def concurrency_key(self) -> str:
         """All llama.cpp members of a process share its CPUs: within a request they run one after another."""
         return "llamacpp:cpu"
+
+    @property
+    def shared_stats(self) -> SharedStats | None:
+        """With ``continuous_batching``: what the model's shared decode calls did so far (shared by
+        the members on this model); ``None`` otherwise."""
+        shared = self.model.shared
+        return shared.stats if shared is not None else None
 
     def settle(self, timeout: float = 30.0) -> None:
         """Wait (at most ``timeout`` seconds) for the background prefix-cache copies to end

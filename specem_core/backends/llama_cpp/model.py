@@ -34,10 +34,12 @@ from specem_core.backends.llama_cpp._binding import (
     INVARIANT_CHUNK,
     NATIVE_CALLS,
     Context,
+    KVContext,
     LlamaCppError,
     default_threads,
     load_library,
 )
+from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SharedContext
 from specem_core.backends.llama_cpp._threads import free_cores
 from specem_core.errors import ConfigError, ModelNotFoundError
 
@@ -95,8 +97,20 @@ class LlamaCppModel:
             logits too. The price is on follow-up turns, which prefill the previous answer again,
             and on a busy CPU (measured in docs/reports/performance.md, "History-invariant
             answers").
+        continuous_batching: concurrent sessions share ``llama_decode`` calls: the model holds
+            one context whose unified KV cache has ``n_ctx`` cells for each of ``max_contexts``
+            sessions (allocated at load: ``max_contexts`` times one context's KV memory), and the
+            draft steps, verification blocks and prefill chunks of every session waiting at the
+            time run in one call, so that the weights are read once for all of them (see
+            :mod:`specem_core.backends.llama_cpp._shared`). More tokens per second with several
+            requests at once; a request's logits then depend on what shares its calls (llama.cpp's
+            kernels are not batch-invariant for most weight types), so it cannot be combined with
+            ``history_invariant``. Measured in docs/reports/performance.md, "Continuous batching
+            on llama.cpp".
 
     Raises:
+        ConfigError: ``continuous_batching`` with ``history_invariant``, or more than
+            :data:`~specem_core.backends.llama_cpp._shared.MAX_SLOTS` ``max_contexts`` with it.
         ModelNotFoundError: the file is missing, not a GGUF, truncated, or llama.cpp cannot load it.
     """
 
@@ -114,6 +128,7 @@ class LlamaCppModel:
         prefix_cache: bool = True,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         history_invariant: bool = False,
+        continuous_batching: bool = False,
     ) -> None:
         from specem_core.gguf import validate_gguf
 
@@ -148,14 +163,28 @@ class LlamaCppModel:
         """llama.cpp's ``flash_attn_type``: -1 its own choice (on for these builds), 0 off, 1 on."""
         self.max_contexts = max(1, max_contexts)
         self.wait_seconds = wait_seconds
-        self._pool: list[Context] = []
+        self._pool: list[KVContext] = []
         """Idle contexts holding no rows."""
         self.prefix_cache = prefix_cache
         if not isinstance(history_invariant, bool):
             raise ConfigError(f"history_invariant must be True or False, got {history_invariant!r}")
         self.history_invariant = history_invariant
+        if not isinstance(continuous_batching, bool):
+            raise ConfigError(f"continuous_batching must be True or False, got {continuous_batching!r}")
+        if continuous_batching and history_invariant:
+            raise ConfigError(
+                "continuous_batching and history_invariant exclude each other: shared decode calls move a "
+                "request's logits with what shares them (llama.cpp's kernels are not batch-invariant)"
+            )
+        if continuous_batching and self.max_contexts > MAX_SLOTS:
+            raise ConfigError(
+                f"continuous_batching serves at most {MAX_SLOTS} sessions (max_contexts), not {self.max_contexts}"
+            )
+        self.continuous_batching = continuous_batching
+        self.shared: SharedContext | None = None
+        """With continuous batching, the context every session's slot lives in."""
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
-        self.prefixes: PrefixStore[Context] = PrefixStore(
+        self.prefixes: PrefixStore[KVContext] = PrefixStore(
             self.prefix_cache_tokens, self._free_context, cost=lambda _ids: self.n_ctx
         )
         """Idle contexts holding a finished request's rows, by the token ids they hold; each is
@@ -187,6 +216,8 @@ class LlamaCppModel:
         self._texts: list[str] | None = None
         self._attrs: list[int] | None = None
         self._eog: frozenset[int] | None = None
+        if continuous_batching:
+            self.shared = SharedContext(self, self.max_contexts)
         # one context up front: it fails here, not in the first request, when memory is short
         self.release_context(self.acquire_context())
 
@@ -211,12 +242,12 @@ class LlamaCppModel:
         return self._in_use
 
     # -- context pool -----------------------------------------------------------------------
-    def acquire_context(self) -> Context:
+    def acquire_context(self) -> KVContext:
         """An empty context for one session: a pooled one, a new one, or the next one released."""
         context, _ = self.acquire_for_prompt(())
         return context
 
-    def acquire_for_prompt(self, prompt: Sequence[int]) -> tuple[Context, int]:
+    def acquire_for_prompt(self, prompt: Sequence[int]) -> tuple[KVContext, int]:
         """A context for a session whose prompt is ``prompt``, and how many of its leading tokens
         the context already holds (sequence 0, positions ``[0, reused)``; rows past them dropped).
 
@@ -228,7 +259,7 @@ class LlamaCppModel:
         deadline = time.monotonic() + self.wait_seconds
         wanted = max(1, math.ceil(MIN_SHARED_FRACTION * len(prompt)))
         # the context is chosen under the pool's lock; its rows are cut or loaded after it
-        taken: Context | None = None
+        taken: KVContext | None = None
         reused = 0
         with self._pool_cond:
             while True:
@@ -269,7 +300,7 @@ class LlamaCppModel:
             taken.reset()
             return self._load_snapshot(taken, prompt, wanted)
         try:
-            context = Context(self)
+            context = self._new_context()
         except BaseException:
             with self._pool_cond:
                 self._created -= 1
@@ -278,7 +309,7 @@ class LlamaCppModel:
             raise
         return self._load_snapshot(context, prompt, wanted)
 
-    def _load_snapshot(self, context: Context, prompt: Sequence[int], wanted: int) -> tuple[Context, int]:
+    def _load_snapshot(self, context: KVContext, prompt: Sequence[int], wanted: int) -> tuple[KVContext, int]:
         """An empty context, filled from the host-memory copy sharing the longest prefix with
         ``prompt`` when there is one (a concurrent request took the context holding those rows)."""
         if not (prompt and self.prefix_cache):
@@ -289,7 +320,7 @@ class LlamaCppModel:
         context.held = list(match.entry.ids)
         return self._reuse(context, match.reused, len(prompt))
 
-    def _reuse(self, context: Context, reused: int, prompt_len: int) -> tuple[Context, int]:
+    def _reuse(self, context: KVContext, reused: int, prompt_len: int) -> tuple[KVContext, int]:
         """Cut sequence 0 of a cached context to its first ``reused`` positions.
 
         The rows dropped are the newest of sequence 0, so the cells they free lie above every
@@ -311,11 +342,17 @@ class LlamaCppModel:
         context.held = context.held[:reused]
         return context, reused
 
+    def _new_context(self) -> KVContext:
+        """A private context, or with continuous batching a slot of the shared one."""
+        if self.shared is None:
+            return Context(self)
+        return self.shared.take_slot()
+
     def _take(self) -> None:
         self._in_use += 1
         self.peak_contexts_in_use = max(self.peak_contexts_in_use, self._in_use)
 
-    def release_context(self, context: Context, keep: Sequence[int] = ()) -> None:
+    def release_context(self, context: KVContext, keep: Sequence[int] = ()) -> None:
         """Return ``context`` to the pool: cleared, or, with the prefix cache on and ``keep`` (the
         token ids of sequence 0's rows, which must be all it holds besides ballast), with its rows
         kept for a later request (the least recently used cached contexts are freed past the budget)."""
@@ -347,7 +384,7 @@ class LlamaCppModel:
                 copier.start()
             self._pool_cond.notify()
 
-    def _copy_rows(self, context: Context, held: list[int]) -> None:
+    def _copy_rows(self, context: KVContext, held: list[int]) -> None:
         try:
             with contextlib.suppress(LlamaCppError):  # the process is exiting: no copy is needed
                 self.snapshots.add(held, context.save_sequence())
@@ -365,7 +402,7 @@ class LlamaCppModel:
             while self._copying and time.monotonic() < deadline:
                 self._pool_cond.wait(deadline - time.monotonic())
 
-    def _free_context(self, context: Context) -> None:
+    def _free_context(self, context: KVContext) -> None:
         """Evicted from the prefix cache: free its memory (a new context is made when needed)."""
         with context.copying:
             context.close()
@@ -493,6 +530,8 @@ class LlamaCppModel:
             context.close()
         self.prefixes.clear()
         self.snapshots.clear()
+        if self.shared is not None:
+            self.shared.close()  # freed now, or when the last slot in use is released
         if self._in_use == 0:
             with contextlib.suppress(LlamaCppError), NATIVE_CALLS.call(f"{self.name}: llama_model_free"):
                 self.lib.llama_model_free(self.handle)

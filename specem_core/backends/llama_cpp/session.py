@@ -37,7 +37,7 @@ from specem_core.backends.llama_cpp._binding import (
     BALLAST,
     CANDIDATE_ROOM,
     COMPACT_AFTER,
-    Context,
+    KVContext,
     LlamaCppError,
     Work,
     incomplete_utf8,
@@ -104,7 +104,7 @@ class LlamaCppSession(LocalSession):
         self._np = np
         self._start(member, request)
         self._rng = np.random.default_rng(request.seed)
-        self._ctx: Context | None = None
+        self._ctx: KVContext | None = None
         self._length = 0
         """Positions of the session's sequence (0) held in the KV cache."""
         self._exact = 0
@@ -133,8 +133,10 @@ class LlamaCppSession(LocalSession):
         the draft then runs over their rows for as long as its own picks equal a hint's tokens:
         each agreeing token costs no decode step (speculative drafting, exact for any sampling:
         the picks are made from the same logits, with the same random stream)."""
-        rows = self._score_hints(hints, score_eos) if hints else []
-        return self._draft_from(self._committed_logits, [], max_tokens, sampling, rows)
+        assert self._ctx is not None
+        with self._ctx.stepping():  # with continuous batching: other sessions' calls wait for its steps
+            rows = self._score_hints(hints, score_eos) if hints else []
+            return self._draft_from(self._committed_logits, [], max_tokens, sampling, rows)
 
     @consistent
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:
@@ -148,7 +150,9 @@ class LlamaCppSession(LocalSession):
             out[n] = self._early.get((text, with_eos))
         pending = [p for p in pending if out[p[0]] is None]
         if pending:
-            self._score_pass(pending, out)
+            assert self._ctx is not None
+            with self._ctx.stepping():
+                self._score_pass(pending, out)
         return [s if s is not None else CandidateScore() for s in out]
 
     @consistent
