@@ -25,10 +25,15 @@ Results: ``benchmarks/results/llama_cpp_batching.json``.
 **Ceiling** (``--ceiling``): the most a shared context can give concurrent decoding on this CPU:
 1, 8, 16 and 32 sequences (``--sequences``), each on its own cached prefix, decoding one token each
 per ``llama_decode`` call with logits for every token (what drafting sessions need), flash attention
-as SpecEM sets it for the model's weights; tokens/s and the ratio to one sequence::
+on (as ``continuous_batching`` sets it: its kernel skips the other sequences' cells); tokens/s and
+the ratio to one sequence. ``--other-cells N`` keeps N KV rows of eight other sequences in the cache
+meanwhile (idle sessions' rows in a shared context), and ``--flash-attention off`` shows what the
+other attention path costs then::
 
     python benchmarks/llama_cpp_batching.py --ceiling --model qwen2.5-coder \
-        --out benchmarks/results/llama_cpp_batched_ceiling.json
+        --repeats 3 --out benchmarks/results/continuous_batching/ceiling_qwen2.5-coder.json
+    python benchmarks/llama_cpp_batching.py --ceiling --model qwen2.5-coder --sequences 1 8 \
+        --other-cells 8000 --flash-attention off --out benchmarks/results/continuous_batching/beside_fa_off.json
 """
 
 from __future__ import annotations
@@ -164,10 +169,20 @@ def measure(
     }
 
 
-def ceiling(model_name: str, sequences: list[int], prefix_tokens: int, steps: int, repeats: int) -> dict[str, Any]:
-    """Tokens/s of ``steps`` one-token-per-sequence decode calls for each count of ``sequences``."""
+def ceiling(
+    model_name: str,
+    sequences: list[int],
+    prefix_tokens: int,
+    steps: int,
+    repeats: int,
+    *,
+    other_cells: int = 0,
+    flash_attention: bool = True,
+) -> dict[str, Any]:
+    """Tokens/s of ``steps`` one-token-per-sequence decode calls for each count of ``sequences``
+    (``other_cells``: KV rows of eight other sequences that stay in the cache meanwhile, as idle
+    sessions' rows do in a shared context)."""
     from specem_core.backends.llama_cpp._binding import load_library
-    from specem_core.backends.llama_cpp.model import flash_attn_type
     from specem_core.models import find_packaged, packaged_gguf
 
     packaged = find_packaged(model_name)
@@ -183,12 +198,12 @@ def ceiling(model_name: str, sequences: list[int], prefix_tokens: int, steps: in
     most = max(sequences)
     size = ctypes_string(lib, model, "general.file_type")
     params = lib.llama_context_default_params()
-    params.n_ctx = most * (len(prefix) + steps + 16)
+    params.n_ctx = most * (len(prefix) + steps + 16) + other_cells + 512
     params.n_batch = params.n_ubatch = 512
-    params.n_seq_max = most
+    params.n_seq_max = most + 8
     params.n_threads = params.n_threads_batch = 2
     params.kv_unified, params.no_perf = True, True
-    params.flash_attn_type = flash_attn_type(None, int(size) if size.isdigit() else None, 0)
+    params.flash_attn_type = -1 if flash_attention else 0  # -1: llama.cpp's choice, on
     ctx = lib.llama_init_from_model(model, params)
     memory = lib.llama_get_memory(ctx)
     batch = lib.llama_batch_init(512, 0, 1)
@@ -196,6 +211,11 @@ def ceiling(model_name: str, sequences: list[int], prefix_tokens: int, steps: in
     try:
         for seq in range(most):  # each sequence its own prefix rows, as separate requests have
             _decode(lib, ctx, batch, [(t, i, seq) for i, t in enumerate(prefix)])
+        for other in range(most, most + 8 if other_cells else most):
+            held = other_cells // 8
+            for offset in range(0, held, 512):
+                chunk = range(offset, min(held, offset + 512))
+                _decode(lib, ctx, batch, [(prefix[i % len(prefix)], i, other) for i in chunk])
         for n in sequences:
             runs = []
             for _ in range(repeats + 1):  # the first run warms up
@@ -218,6 +238,7 @@ def ceiling(model_name: str, sequences: list[int], prefix_tokens: int, steps: in
         "model": model_name,
         "file_type": size,
         "flash_attn_type": int(params.flash_attn_type),
+        "other_cells": other_cells,
         "prefix_tokens": len(prefix),
         "steps": steps,
         "repeats": repeats,
@@ -249,6 +270,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2, 3 clients, 40 + 4 tokens")
     parser.add_argument("--ceiling", action="store_true", help="tokens/s of 1, 8, 16, 32 sequences (see above)")
     parser.add_argument("--sequences", type=int, nargs="+", default=[1, 8, 16, 32], help="--ceiling: counts")
+    parser.add_argument(
+        "--other-cells", type=int, default=0, help="--ceiling: KV rows other sequences hold meanwhile (idle sessions)"
+    )
+    parser.add_argument("--flash-attention", choices=["on", "off"], default="on", help="--ceiling")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.ceiling:
@@ -262,7 +287,15 @@ def main() -> None:
             )
         prefix = 64 if args.prefix_tokens == 1100 else args.prefix_tokens  # --ceiling's default prefix
         steps = 16 if args.steps == 6 else args.steps
-        result = ceiling(args.model, args.sequences, prefix, steps, args.repeats)
+        result = ceiling(
+            args.model,
+            args.sequences,
+            prefix,
+            steps,
+            args.repeats,
+            other_cells=args.other_cells,
+            flash_attention=args.flash_attention == "on",
+        )
         for n, row in result["sequences"].items():
             print(f"{n:3d} sequences: {row['tokens_per_s']:7.1f} tokens/s  x{row['x_one_sequence']:.2f}")
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -128,7 +128,7 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
         "--continuous-batching",
         action="store_true",
         help="concurrent requests share each llama.cpp member's decode calls (one context per member with n_ctx "
-        "cells for each of 8 requests; more tokens per second under load, answers that vary with it)",
+        "cells for each request running at once: 8, or serve's --max-concurrency; answers then vary with the load)",
     )
     parser.add_argument(
         "--prefix-cache-tokens",
@@ -368,6 +368,11 @@ def _member_kwargs(args: argparse.Namespace, err: TextIO) -> dict[str, Any]:
         options["history_invariant"] = True
     if getattr(args, "continuous_batching", False):
         options["continuous_batching"] = True
+        if getattr(args, "max_concurrency", None):  # a slot per request the server runs at once (at most
+            # llama.cpp's 256 sequence ids allow; more requests wait for a slot)
+            from specem_core.backends.llama_cpp import MAX_SLOTS
+
+            options["max_contexts"] = min(args.max_concurrency, MAX_SLOTS)
     return options
 
 

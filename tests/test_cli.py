@@ -377,11 +377,13 @@ def test_continuous_batching_reaches_a_llama_cpp_member() -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from specem_integrations.cli import _engine, _parser, _resolve
 
-    args = _parser().parse_args(["serve", "--model", "llamacpp:smollm2", "--continuous-batching"])
+    flags = ["--continuous-batching", "--max-concurrency", "3", "--n-ctx", "1024"]
+    args = _parser().parse_args(["serve", "--model", "llamacpp:smollm2", *flags])
     (member,) = _engine(_resolve(args, io.StringIO())).members
     assert member.model.continuous_batching is True
     assert member.model.shared is not None
-    assert member.model.shared.slots == member.model.max_contexts
+    assert member.model.shared.slots == member.model.max_contexts == 3  # a slot per request served at once
+    assert member.model.shared.n_ctx == 3 * 1024
 
 
 def test_the_start_up_line_says_which_member_is_trusted_and_why() -> None:

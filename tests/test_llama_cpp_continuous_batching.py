@@ -19,7 +19,7 @@ from packaged_gguf import packaged_gguf_or_skip
 
 from specem_core import ConfigError, SamplingParams, SessionRequest, SpecEM, load_member
 from specem_core.backends.llama_cpp import LlamaCppError, LlamaCppMember, LlamaCppModel
-from specem_core.backends.llama_cpp._shared import SLOT_SEQUENCES, Slot
+from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SLOT_SEQUENCES, Slot
 from specem_core.testing.llama_cpp_diagnostics import evaluate_from_scratch
 
 NOISE = 1.0
@@ -252,6 +252,25 @@ def test_refused_with_history_invariant_and_where_it_means_nothing() -> None:
         load_member("openai:http://127.0.0.1:9/v1#m", continuous_batching=True)
     with pytest.raises(ConfigError, match="continuous_batching set for transformers member"):
         load_member("smollm2", backend="transformers", continuous_batching=True)
+
+
+def test_the_shared_context_takes_flash_attention_and_up_to_sixteen_slots() -> None:
+    """Flash attention is on unless asked otherwise (its kernel skips other sessions' cells); 16
+    slots use 256 sequence ids, llama.cpp's most, and load (its output buffer must hold a row
+    per sequence)."""
+    smol = _gguf("smollm2")
+    model = LlamaCppModel(smol, n_ctx=256, continuous_batching=True, max_contexts=MAX_SLOTS)
+    try:
+        assert model.shared is not None
+        assert (model.shared.slots, model.flash_attn_type) == (16, -1)
+        assert model.shared.n_ctx == 16 * 256
+    finally:
+        model.close()
+    model = LlamaCppModel(smol, n_ctx=256, continuous_batching=True, max_contexts=2, flash_attention=False)
+    try:
+        assert model.flash_attn_type == 0
+    finally:
+        model.close()
 
 
 def test_without_the_option_nothing_is_shared(private: LlamaCppMember) -> None:

@@ -14,13 +14,14 @@ With ``continuous_batching`` the sessions instead take slots of one shared conte
 ``llama_decode`` calls (:mod:`._shared`).
 """
 
-from specem_core.backends.llama_cpp._binding import LlamaCppError, default_threads
-from specem_core.backends.llama_cpp._shared import SharedStats
+from specem_core.backends.llama_cpp._binding import LlamaCppError, default_threads, requantize
+from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SharedStats
 from specem_core.backends.llama_cpp.member import LlamaCppMember
-from specem_core.backends.llama_cpp.model import LlamaCppModel, requantize
+from specem_core.backends.llama_cpp.model import LlamaCppModel
 from specem_core.backends.llama_cpp.session import LlamaCppSession
 
 __all__ = [
+    "MAX_SLOTS",
     "LlamaCppError",
     "LlamaCppMember",
     "LlamaCppModel",

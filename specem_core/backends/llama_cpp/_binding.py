@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from specem_core.errors import ModelNotFoundError, SpecEMError
@@ -411,3 +412,23 @@ def incomplete_utf8(data: bytes) -> bool:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     decoder.decode(data, final=False)
     return bool(decoder.getstate()[0])
+
+
+def requantize(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1"
+) -> Path:
+    """Write ``source`` requantized to ``ftype`` (llama.cpp's own quantizer) at ``target``.
+
+    Q4_1 is the type whose CPU kernels are batch-invariant (below 64 cached positions), so a member
+    requantized to it makes decisions that do not depend on how its tokens were batched.
+
+    Raises:
+        ModelNotFoundError: ``source`` cannot be read or requantized.
+    """
+    lib = load_library()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, ftype)
+    params.allow_requantize = True
+    if lib.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
+        raise ModelNotFoundError(f"cannot requantize {source} to {ftype}")
+    return Path(target)

@@ -9,8 +9,9 @@ ids: its own, the scratch sequences of its candidates, its ballast), which offer
 A slot's decode work (draft steps, verification blocks, prefills, catch-up of committed text) is
 queued; whichever waiting thread finds the context free runs one ``llama_decode`` call over the
 work of *every* session waiting at the time, as llama-server's slots share a batch: the weights
-are read once per call for all of them, which is what a CPU's decode step is bound by. The
-thread starting a call waits a few milliseconds (:data:`GATHER_S`) for the sessions inside a
+are read once per call for all of them (what pays where a decode step is bound by reading them; on
+two CPU cores the batched kernels are compute-bound from a few rows on). The
+thread starting a call waits up to :data:`GATHER_S` for the sessions inside a
 draft or a verification on this model that have not queued their next step yet, so that
 concurrent requests fall into step. A call takes one-token steps first, then fills the rest of
 ``n_batch`` tokens with the longer work in arrival order (a long prompt's prefill is chunked
@@ -49,9 +50,12 @@ SLOT_SEQUENCES = 2 + SCRATCH_SEQUENCES
 """Sequence ids of one slot: its session's (0), scratch sequences (1..14), its ballast (15)."""
 MAX_SLOTS = 256 // SLOT_SEQUENCES
 """llama.cpp's ``LLAMA_MAX_SEQ`` (256) sequence ids, 16 per slot."""
-GATHER_S = 0.005
-"""How long the thread starting a call waits for the steps of the other sessions inside a draft or
-a verification on the model (a session needs well under a millisecond between two steps)."""
+GATHER_S = 0.02
+"""How long the thread starting a call waits at most for the steps of the other sessions inside a
+draft or a verification on the model. A session needs about a millisecond between two steps, but
+the sessions pick their tokens one after another (Python's lock), so sixteen need more than 5 ms;
+a step that misses a call would run beside it on the same cores instead (measured in the
+Performance report, "Continuous batching on llama.cpp")."""
 
 
 @dataclass
@@ -121,7 +125,7 @@ class SharedContext:
         cparams.n_batch = model.n_batch
         cparams.n_ubatch = model.n_batch
         cparams.n_seq_max = slots * SLOT_SEQUENCES
-        cparams.n_outputs_max = MAX_OUTPUTS
+        cparams.n_outputs_max = max(MAX_OUTPUTS, slots * SLOT_SEQUENCES)  # llama.cpp asks n_seq_max at least
         cparams.n_threads = model.n_threads
         cparams.n_threads_batch = model.n_threads
         cparams.kv_unified = True

@@ -76,7 +76,8 @@ class LlamaCppModel:
         max_contexts: concurrent sessions (each holds one context; more wait for a free one).
         n_gpu_layers: layers offloaded to a GPU when llama-cpp-python was built with one.
         flash_attention: llama.cpp's flash attention on (``True``) or off (``False``); default
-            (``None``): see :func:`default_flash_attention` (off on a CPU, except for Q4_1 weights).
+            (``None``): see :func:`default_flash_attention` (off on a CPU, except for Q4_1 weights
+            and with ``continuous_batching``).
         prefix_cache: keep a finished request's KV rows with its context, so that a request
             sharing a prefix with it (the next turn of a chat, the same system prompt or RAG
             context) prefills only what is new (see :meth:`acquire_for_prompt`).
@@ -105,8 +106,9 @@ class LlamaCppModel:
             :mod:`specem_core.backends.llama_cpp._shared`). More tokens per second with several
             requests at once; a request's logits then depend on what shares its calls (llama.cpp's
             kernels are not batch-invariant for most weight types), so it cannot be combined with
-            ``history_invariant``. Measured in docs/reports/performance.md, "Continuous batching
-            on llama.cpp".
+            ``history_invariant``. Flash attention is on unless ``flash_attention`` says otherwise
+            (its kernel skips the cells of other sessions). Measured in
+            docs/reports/performance.md, "Continuous batching on llama.cpp".
 
     Raises:
         ConfigError: ``continuous_batching`` with ``history_invariant``, or more than
@@ -160,6 +162,10 @@ class LlamaCppModel:
             raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
         self.file_type = self._file_type()
         self.flash_attn_type = flash_attn_type(flash_attention, self.file_type, n_gpu_layers)
+        if continuous_batching and flash_attention is None:
+            # one KV cache holds every session's rows: the flash-attention kernel skips the cells
+            # another session's mask hides, the other path reads them all (Performance report)
+            self.flash_attn_type = -1
         """llama.cpp's ``flash_attn_type``: -1 its own choice (on for these builds), 0 off, 1 on."""
         self.max_contexts = max(1, max_contexts)
         self.wait_seconds = wait_seconds
@@ -592,23 +598,3 @@ def default_n_ctx(n_ctx_train: int, kv_bytes_per_token: int, budget: int = KV_BU
         if fit >= DEFAULT_N_CTX:
             cells = 1 << (fit.bit_length() - 1)
     return min(cells, n_ctx_train) if n_ctx_train > 0 else cells
-
-
-def requantize(
-    source: str | os.PathLike[str], target: str | os.PathLike[str], ftype: str = "LLAMA_FTYPE_MOSTLY_Q4_1"
-) -> Path:
-    """Write ``source`` requantized to ``ftype`` (llama.cpp's own quantizer) at ``target``.
-
-    Q4_1 is the type whose CPU kernels are batch-invariant (below 64 cached positions), so a member
-    requantized to it makes decisions that do not depend on how its tokens were batched.
-
-    Raises:
-        ModelNotFoundError: ``source`` cannot be read or requantized.
-    """
-    lib = load_library()
-    params = lib.llama_model_quantize_default_params()
-    params.ftype = getattr(lib, ftype)
-    params.allow_requantize = True
-    if lib.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-        raise ModelNotFoundError(f"cannot requantize {source} to {ftype}")
-    return Path(target)
