@@ -217,6 +217,23 @@ class Work:
     stats: dict[int, tuple[float, float]] = field(default_factory=dict)
     rows: dict[int, Any] = field(default_factory=dict)
 
+    def read_row(self, index: int, lib: Any, ctx: Any, batch_index: int, n_vocab: int) -> None:
+        """After the decode call that held token ``index`` at ``batch_index``: keep what
+        ``outputs[index]`` asks of its logits row (the row, and/or the target's raw logit and
+        log-prob)."""
+        import numpy as np
+
+        want = self.outputs[index]
+        if want is None:
+            return
+        row = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, batch_index), shape=(n_vocab,))
+        if want < 0 or index in self.full_rows:
+            self.rows[index] = row.astype(np.float32, copy=True)
+        if want >= 0:
+            top = float(row.max())
+            raw = float(row[want])
+            self.stats[index] = (raw, raw - top - math.log(float(np.exp(row - top).sum())))
+
 
 class SequenceBook:
     """The sequences of one session's KV rows: cutting them, and the free scratch sequences (shared
@@ -344,7 +361,6 @@ class Context(SequenceBook):
             return self._decode(work)
 
     def _decode(self, work: Work) -> Work:
-        import numpy as np
 
         lib, model = self._lib, self._model
         n_vocab = model.n_vocab
@@ -381,16 +397,7 @@ class Context(SequenceBook):
                 )
                 raise LlamaCppError(f"{model.name}: {why}")
             for b in range(count):
-                want = work.outputs[i + b]
-                if want is None:
-                    continue
-                row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, b), shape=(n_vocab,))
-                if want < 0 or (i + b) in work.full_rows:
-                    work.rows[i + b] = row.astype(np.float32, copy=True)
-                if want >= 0:
-                    top = float(row.max())
-                    raw = float(row[want])
-                    work.stats[i + b] = (raw, raw - top - math.log(float(np.exp(row - top).sum())))
+                work.read_row(i + b, lib, self._ctx, b, n_vocab)
             i += count
         return work
 

@@ -29,7 +29,6 @@ docs/reports/performance.md, "Continuous batching on llama.cpp".
 from __future__ import annotations
 
 import ctypes
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -279,7 +278,6 @@ class SharedContext:
 
     def _run(self, pieces: list[_Piece]) -> None:
         """One ``llama_decode`` over ``pieces``; each job's rows are read back into its work."""
-        import numpy as np
 
         lib, model, batch = self._lib, self._model, self._batch
         start_time = time.perf_counter()
@@ -305,21 +303,9 @@ class SharedContext:
                 if status != 0:
                     why = "no KV slot left" if status == 1 else f"llama_decode returned {status}"
                     raise LlamaCppError(f"{model.name}: {why} (shared context of {self.n_ctx} cells)")
-                n_vocab = model.n_vocab
                 for piece in pieces:
-                    work = piece.job.work
                     for k in range(piece.count):
-                        i = piece.start + k
-                        want = work.outputs[i]
-                        if want is None:
-                            continue
-                        row = np.ctypeslib.as_array(lib.llama_get_logits_ith(self._ctx, piece.at + k), shape=(n_vocab,))
-                        if want < 0 or i in work.full_rows:
-                            work.rows[i] = row.astype(np.float32, copy=True)
-                        if want >= 0:
-                            top = float(row.max())
-                            raw = float(row[want])
-                            work.stats[i] = (raw, raw - top - math.log(float(np.exp(row - top).sum())))
+                        piece.job.work.read_row(piece.start + k, lib, self._ctx, piece.at + k, model.n_vocab)
         except BaseException as exc:  # every session in the call sees the failure (the engine retries)
             for piece in pieces:
                 piece.job.error = exc

@@ -163,11 +163,10 @@ class LlamaCppModel(GgufVocabulary):
         if flash_attention is not None and not isinstance(flash_attention, bool):
             raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
         self.file_type = self._file_type()
-        self.flash_attn_type = flash_attn_type(flash_attention, self.file_type, n_gpu_layers)
-        if continuous_batching and flash_attention is None:
-            # one KV cache holds every session's rows: the flash-attention kernel skips the cells
-            # another session's mask hides, the other path reads them all (Performance report)
-            self.flash_attn_type = -1
+        # continuous batching: one KV cache holds every session's rows; the flash-attention kernel
+        # skips the cells another session's mask hides, the other path reads them all
+        shared_default = continuous_batching and flash_attention is None
+        self.flash_attn_type = -1 if shared_default else flash_attn_type(flash_attention, self.file_type, n_gpu_layers)
         """llama.cpp's ``flash_attn_type``: -1 its own choice (on for these builds), 0 off, 1 on."""
         self.max_contexts = max(1, max_contexts)
         self.wait_seconds = wait_seconds
