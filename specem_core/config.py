@@ -127,7 +127,8 @@ class SpecEMConfig(StudyOptions):
 
     # -- the round ------------------------------------------------------------------------------
     segment_len: int = 10
-    """Tokens each drafter proposes per round (the paper's L = 10)."""
+    """Tokens each drafter proposes per round (the paper's L = 10); a member left alone, with
+    nothing to vote on, drafts segments that double up to four times this."""
     segment_boundary: SegmentBoundary = "tokens"
     """``"line"``: a draft also ends at its first line end, so candidates are whole lines of code."""
     scoring: Scoring = "mean_logit"

@@ -18,6 +18,10 @@ Each round:
 7. **stop** — the winner ended its turn, a stop string appeared (:meth:`Run.extend_answer`), or
    the answer is long enough (:meth:`Run.events`).
 
+A member left alone (a one-member ensemble, or the others excluded) has nothing to vote on: its
+segments are only requests and streamed chunks, so they double from ``segment_len`` up to
+:data:`LONE_SEGMENT_GROWTH` times it (fewer requests to a server member; the text is the same).
+
 Our additions sit beside the steps, each a named option: Model Exit (members that keep losing
 stop drafting), the trusted member's rules (:mod:`specem_core.trusted`), constraints that keep a
 tool call or a JSON answer parseable (:mod:`specem_core.tools`), member weights learned across
@@ -69,6 +73,10 @@ from specem_core.types import (
 )
 from specem_core.vote import Vote, distinct, row_values, score_rows, tally
 from specem_core.weights import MemberWeights
+
+LONE_SEGMENT_GROWTH = 4
+"""How long a lone member's segments grow, in ``segment_len``: doubling from one up to this many
+(10, 20, 40, 40, … tokens by default), so a chunk of a streamed answer stays short."""
 
 
 @dataclass
@@ -173,13 +181,17 @@ class Run:
             self.trusted = Trusted(self.members[trusted].name if trusted is not None else None, reason)
             exit_rule = self.model_exit() if cfg.model_exit else None
             k = 0
+            lone = 0  # rounds in a row with one member left: nothing to vote on
             while not self.cancelled.is_set():
                 remaining = cfg.max_new_tokens - self.completion_tokens()
                 if remaining <= 0 or k >= cfg.max_new_tokens + 8 or not self.fits_context(cfg.segment_len):
                     break
                 k += 1
                 t0 = time.perf_counter()
-                step = self.round(k, min(cfg.segment_len, remaining), weights, exit_rule)
+                lone = lone + 1 if len(self.calls.active()) == 1 else 0
+                length = cfg.segment_len * min(2 ** max(lone - 1, 0), LONE_SEGMENT_GROWTH)
+                length = length if self.fits_context(length) else cfg.segment_len
+                step = self.round(k, min(length, remaining), weights, exit_rule)
                 if step is None:  # no drafter proposed anything
                     break
                 segment, weights, ended = step

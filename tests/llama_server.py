@@ -260,12 +260,14 @@ def start_vllm_server(
     alias: str | None = None,
     max_model_len: int = 2048,
     cpu_core: int | None = None,
+    threads: int = 1,
     startup_timeout: float = 600.0,
     extra_args: Sequence[str] = (),
     port: int | None = None,
 ) -> LlamaServer:
     """Start ``vllm.entrypoints.openai.api_server`` on a converted packaged model (CPU build: eager
-    mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given; ``extra_args``
+    mode, 1 GiB of KV cache, one OpenMP thread pinned to ``cpu_core`` when given, else ``threads``
+    threads on cores 0..threads-1; ``extra_args``
     go to the server's command line; ``port``: that one, else a free one: starting again on the port of
     a stopped server brings "the same server" back)."""
     from specem_core.models import convert, find_packaged
@@ -287,6 +289,8 @@ def start_vllm_server(
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     if cpu_core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    elif threads > 1:
+        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     fd, log_name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
     log_file = os.fdopen(fd, "wb")
     process = subprocess.Popen(

@@ -258,6 +258,46 @@ def test_a_failing_trusted_opener_is_excluded_and_the_others_write_the_answer() 
     assert result.segments[0].drafters == ["a"]
 
 
+class _AskedLengths(ScriptedMember):
+    """Records the ``max_tokens`` of every draft it is asked for."""
+
+    asked: list[int]
+
+    def open(self, request: Any) -> ScriptedSession:
+        session = super().open(request)
+        draft = session.draft
+        self.asked = getattr(self, "asked", [])
+
+        def recorded(max_tokens: int, sampling: Any, **options: Any) -> Any:
+            self.asked.append(max_tokens)
+            return draft(max_tokens, sampling, **options)
+
+        session.draft = recorded  # type: ignore[method-assign]
+        return session
+
+
+def test_a_lone_member_drafts_segments_that_double_up_to_four_times_segment_len() -> None:
+    """Nothing is voted with one member: its segments are only requests (fewer, longer ones)."""
+    alone = _AskedLengths("alone", drafts=[("w w w w", False)])
+    result = _engine(alone, segment_len=3, max_new_tokens=40).generate("q")
+    assert alone.asked[:5] == [3, 6, 12, 12, 12]
+    assert alone.asked[-1] <= 12
+    assert result.finish_reason == "length"
+
+
+def test_members_that_vote_keep_segment_len_and_a_member_left_alone_grows() -> None:
+    a = _AskedLengths("a", drafts=[("w w w", False)])
+    b = ScriptedMember("b", drafts=[("v v v", False)])
+    _engine(a, b, segment_len=3, max_new_tokens=18).generate("q")
+    assert max(a.asked) == 3
+    assert a.asked[:4] == [3, 3, 3, 3]
+    survivor = _AskedLengths("survivor", drafts=[("w w w", False)])
+    failing = ScriptedMember("failing", drafts=[("v v v", False)], fail_on={"score"})
+    result = _engine(survivor, failing, segment_len=3, max_new_tokens=30, member_retries=0).generate("q")
+    assert [e.member for e in result.excluded] == ["failing"]
+    assert survivor.asked[:4] == [3, 3, 6, 12]  # the first round was drafted by both
+
+
 def test_failing_drafter_is_retried_then_excluded_and_reported() -> None:
     good = ScriptedMember("good", drafts=[("fine", True)])
     bad = ScriptedMember("bad", drafts=[("x", False)], fail_on={"draft"})

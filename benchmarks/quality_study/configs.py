@@ -133,6 +133,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "preset": "quality",
         "config": {"trusted_opening_rounds": 2, "trusted_veto": False},
     },
+    # issue 69's single-turn check: the `fast` preset with the copy guard off, run beside `fast`
+    # itself on GSM8K and IFEval (the guard only acts on follow-ups; the two must answer alike)
+    "fast-no-copy-guard": {"members": [Q05, SMOL], "preset": "fast", "config": {"copy_guard_words": 0}},
 }
 """Configuration name -> members and settings. A name never belongs to a preset unless the
 configuration is that preset: the shipped presets are added under their own names from

@@ -41,8 +41,102 @@ class TemplateOnly(JinjaChatTemplate):
         return []
 
 
+FILE_TOKENIZER_CLASSES = frozenset({"Qwen2Tokenizer", "Qwen2TokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast",
+                                    "PreTrainedTokenizerFast", "TokenizersBackend"})  # fmt: skip
+"""``tokenizer_class`` values whose transformers tokenizer is exactly the directory's
+``tokenizer.json`` (byte-level BPE; transformers rewrites nothing at load), so
+:class:`TokenizerFile` reads it without importing transformers."""
+
+
+class TokenizerFile(JinjaChatTemplate):
+    """A tokenizer directory read with the ``tokenizers`` library alone: the ids, special tokens
+    and chat template a server member needs, without importing transformers (seconds in a new
+    process, on a member's first request). It offers what the member asks of a Hugging Face
+    tokenizer: ``encode``, ``apply_chat_template``, ``eos_token_id``, ``convert_tokens_to_ids``,
+    ``convert_ids_to_tokens``, ``all_special_ids`` and ``added_tokens_decoder``.
+
+    Args:
+        path: a directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (the chat
+            template there or in ``chat_template.jinja``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        import json
+        from types import SimpleNamespace
+
+        from tokenizers import Tokenizer
+
+        directory = Path(path)
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        jinja = directory / "chat_template.jinja"
+        if not isinstance(template, str) and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        super().__init__(template or "", _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        self.chat_template: str | None = template if isinstance(template, str) else None  # type: ignore[assignment]
+        self.name_or_path = str(directory)
+        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        added = config.get("added_tokens_decoder") or {}
+        self.added_tokens_decoder = {
+            int(i): SimpleNamespace(content=t.get("content", ""), special=bool(t.get("special")))
+            for i, t in added.items()
+            if isinstance(t, dict)
+        }
+        specials = {i for i, t in self.added_tokens_decoder.items() if t.special}
+        named = (self.bos_token, self.eos_token, *(_token_text(config.get(k)) for k in ("unk_token", "pad_token")))
+        specials |= {i for i in map(self.convert_tokens_to_ids, named) if i is not None}
+        self.all_special_ids = sorted(specials)
+
+    def __repr__(self) -> str:
+        return f"TokenizerFile({self.name_or_path!r})"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.convert_tokens_to_ids(self.eos_token)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token) if token else None
+
+    def convert_ids_to_tokens(self, index: int) -> str | None:
+        return self._tokenizer.id_to_token(int(index))
+
+    @staticmethod
+    def reads(path: Path) -> bool:
+        """Whether ``path`` is a directory this class reads as transformers would."""
+        import importlib.util
+        import json
+
+        if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+            return False
+        if importlib.util.find_spec("tokenizers") is None:
+            return False
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return config.get("tokenizer_class") in FILE_TOKENIZER_CLASSES
+
+
+def _token_text(value: Any) -> str:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return str(value.get("content") or "")
+    return value if isinstance(value, str) else ""
+
+
 def load_tokenizer(spec: str | os.PathLike[str]) -> Any:
-    """A Hugging Face tokenizer from a directory or a Hugging Face model id.
+    """A tokenizer from a directory or a Hugging Face model id: a directory whose tokenizer is a
+    plain ``tokenizer.json`` (:data:`FILE_TOKENIZER_CLASSES`, e.g. Qwen2.5 and SmolLM2) is read
+    with ``tokenizers`` alone (:class:`TokenizerFile`: no transformers import); anything else
+    with transformers' ``AutoTokenizer``.
 
     The name of a packaged default model (``"smollm2"``) is not resolved here: the registry turns
     it into its converted directory first (:func:`specem_core.registry.resolve_tokenizer`, which
@@ -53,6 +147,8 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Any:
     """
     text = str(spec)
     path = Path(text).expanduser()
+    if path.is_dir() and TokenizerFile.reads(path):
+        return TokenizerFile(path)
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - the [hf] extra is missing
