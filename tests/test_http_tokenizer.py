@@ -99,3 +99,18 @@ def test_another_tokenizer_class_is_loaded_by_transformers(tmp_path: Path) -> No
 def test_a_tokenizer_file_shows_its_directory_only(tmp_path: Path) -> None:
     path = converted("smollm2-135m-instruct")
     assert repr(load_tokenizer(path)) == f"TokenizerFile({str(path)!r})"
+
+
+def test_named_templates_render_with_the_default_one(tmp_path: Path) -> None:
+    source = converted("smollm2-135m-instruct")
+    target = tmp_path / "tok"
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "chat_template.jinja"))
+    template = load_tokenizer(source).chat_template
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "{{ 'tools' }}"},
+        {"name": "default", "template": template},
+    ]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = CONVERSATIONS[1]
+    assert ChatFormat(load_tokenizer(target)).render(messages) == ChatFormat(load_tokenizer(source)).render(messages)

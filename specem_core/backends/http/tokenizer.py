@@ -69,6 +69,8 @@ class TokenizerFile(JinjaChatTemplate):
         directory = Path(path)
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
         template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers renders with "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         jinja = directory / "chat_template.jinja"
         if not isinstance(template, str) and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
