@@ -190,7 +190,7 @@ class Run:
                 t0 = time.perf_counter()
                 lone = lone + 1 if len(self.calls.active()) == 1 else 0
                 length = cfg.segment_len * min(2 ** max(lone - 1, 0), LONE_SEGMENT_GROWTH)
-                length = length if self.fits_context(length) else cfg.segment_len
+                length = length if length == cfg.segment_len or self.fits_context(length) else cfg.segment_len
                 step = self.round(k, min(length, remaining), weights, exit_rule)
                 if step is None:  # no drafter proposed anything
                     break

@@ -60,14 +60,15 @@ class TokenizerFile(JinjaChatTemplate):
             template there or in ``chat_template.jinja``).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
         import json
         from types import SimpleNamespace
 
         from tokenizers import Tokenizer
 
         directory = Path(path)
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if config is None:  # ``tokenizer_config.json``, when the caller has not read it already
+            config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: transformers renders with "default"
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -113,18 +114,25 @@ class TokenizerFile(JinjaChatTemplate):
     @staticmethod
     def reads(path: Path) -> bool:
         """Whether ``path`` is a directory this class reads as transformers would."""
-        import importlib.util
-        import json
+        return _file_config(path) is not None
 
-        if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
-            return False
-        if importlib.util.find_spec("tokenizers") is None:
-            return False
-        try:
-            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return False
-        return config.get("tokenizer_class") in FILE_TOKENIZER_CLASSES
+
+def _file_config(path: Path) -> dict[str, Any] | None:
+    """``path``'s ``tokenizer_config.json`` when :class:`TokenizerFile` reads the directory as
+    transformers would (a ``tokenizer.json`` beside it, a class in :data:`FILE_TOKENIZER_CLASSES`,
+    ``tokenizers`` installed), else ``None``."""
+    import importlib.util
+    import json
+
+    if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+        return None
+    if importlib.util.find_spec("tokenizers") is None:
+        return None
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and config.get("tokenizer_class") in FILE_TOKENIZER_CLASSES else None
 
 
 def _token_text(value: Any) -> str:
@@ -149,8 +157,9 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Any:
     """
     text = str(spec)
     path = Path(text).expanduser()
-    if path.is_dir() and TokenizerFile.reads(path):
-        return TokenizerFile(path)
+    config = _file_config(path) if path.is_dir() else None
+    if config is not None:
+        return TokenizerFile(path, config)
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - the [hf] extra is missing
