@@ -20,7 +20,9 @@ Each round:
 
 A member left alone (a one-member ensemble, or the others excluded) has nothing to vote on: its
 segments are only requests and streamed chunks, so they double from ``segment_len`` up to
-:data:`LONE_SEGMENT_GROWTH` times it (fewer requests to a server member; the text is the same).
+:data:`LONE_SEGMENT_GROWTH` times it (fewer requests to a server member; the text is usually the
+same: each commit re-tokenizes the answer, so text written in other tokens than the tokenizer's
+own split can continue differently).
 
 Our additions sit beside the steps, each a named option: Model Exit (members that keep losing
 stop drafting), the trusted member's rules (:mod:`specem_core.trusted`), constraints that keep a

@@ -24,6 +24,7 @@ from specem_core.tools import (
     parse_tool_calls,
     visible_content,
 )
+from specem_core.tools.json_prefix import JSONPrefixParser
 
 WEATHER = {
     "type": "function",
@@ -344,6 +345,40 @@ def test_json_constraint():
     assert not c.accepts(good + " more")
     assert JSONConstraint().accepts('{"anything": [1, {"b": null}]}')
     assert c.trim("{", '"setup": "a", "x": 1}') == '"setup": "a", "'
+
+
+def test_json_answer_whitespace_is_llama_cpp_grammar_space():
+    """Between two tokens of a JSON answer: nothing, one space, or one or two line ends and up to
+    20 of indent (llama.cpp's JSON grammars' ``space``), so a small model cannot pad the answer
+    with blank lines until the token cap; a string's content and the text after a complete answer
+    are free, and tool calls (parsed loosely) keep any whitespace."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}
+    c = JSONConstraint(schema)
+    assert c.accepts('{\n  "n": 1,\n\n\t"s": "a  \n\n\n  b"\n}')
+    assert c.accepts("\n{")  # leading: the same rule
+    assert c.accepts('{"n":' + "\n" + " " * 20)
+    assert c.accepts('{"n": 1}\n\n\n   ')
+    assert c.accepts('{"n":\r')  # a prefix of \r\n
+    assert not c.accepts('{"n":' + "\n" + " " * 21)
+    assert not c.accepts('{"n":  1')
+    assert not c.accepts('{"n":\n\n\n1')
+    assert not c.accepts("{ \n")
+    # a candidate of blank lines is cut back to what the rule allows, then the listed options
+    assert c.trim('{"n":', "\n \n \n 7}") == "\n "
+    assert c.trim('{"n": ', "\n 7}") == ""  # the space already written counts
+    assert c.options('{"n":\n ') == ["-", *"0123456789"]
+    loose = JSONPrefixParser('{"name": "f",\n\n\n   "arguments": {}}')
+    loose.value()
+    assert loose.i == len(loose.s)
+
+
+def test_json_object_answer_takes_keys_after_a_comma_and_space():
+    """``{"type": "json_object"}`` and open objects: the next key after ``", "`` (was rejected, so
+    every two-key answer fell back to an unchecked vote)."""
+    for c in (JSONConstraint(), JSONConstraint({"type": "object", "additionalProperties": True})):
+        assert c.complete('{"a": 1, "b": [2, 3],\n  "c": {"d": null}}')
+        assert c.accepts('{"a": 1, ')
+        assert not c.accepts('{"a": 1, 2')
 
 
 def test_json_constraint_keeps_the_schema_types_as_written():

@@ -38,6 +38,11 @@ class PrefixInvalid(Exception):
 _NUMBER_PREFIX = re.compile(r"-?(0|[1-9]\d*)?(\.\d*)?([eE][+-]?\d*)?")
 _NUMBER_FULL = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
 _INTEGER_PREFIX = re.compile(r"-?(0|[1-9]\d*)?")
+JSON_SPACE = re.compile(r"(?: |(?:\r?\n){1,2}[ \t]{0,20})")
+"""The whitespace a JSON answer (``strict``) may have between two tokens, as in llama.cpp's JSON
+grammars (``common/json-schema-to-grammar.cpp``'s ``space`` rule): none, one space, or one or two
+line ends and up to 20 spaces or tabs of indent. Unbounded runs let a small model write blank
+lines until the token cap."""
 _LITERALS = {"t": ("true", "boolean"), "f": ("false", "boolean"), "n": ("null", "null")}
 
 
@@ -121,8 +126,15 @@ class JSONPrefixParser:
         return self.s[self.i]
 
     def ws(self) -> None:
+        """Skip whitespace between tokens; ``strict`` allows only llama.cpp's JSON-grammar run (see
+        :data:`JSON_SPACE`), so a small model cannot fill a JSON answer with blank lines."""
+        start = self.i
         while self.i < len(self.s) and self.s[self.i] in " \t\r\n":
             self.i += 1
+        if self.strict and self.i > start:
+            run = self.s[start : self.i]
+            if not JSON_SPACE.fullmatch(run) and not (self.i == len(self.s) and run == "\r"):
+                raise PrefixInvalid(f"whitespace {run!r} at {start}: a space, or 1-2 line ends and 0-20 of indent")
 
     def expect(self, ch: str) -> None:
         self.ws()
@@ -146,6 +158,7 @@ class JSONPrefixParser:
         must follow the string (used for the forced continuation)."""
         if allowed is not None:
             self.end_or(*(f'"{a}"{after}' for a in allowed))
+        self.ws()  # an open object's next key, after ", "
         if self.peek() != '"':
             raise PrefixInvalid("expected a string")
         self.i += 1
