@@ -42,9 +42,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from llama_server import cpu_description
 
 RESULTS = Path(__file__).parent / "results" / "llama_cpp_batching.json"
 PARAGRAPH = "Company B1 in Lima makes drones and was founded in 1957 with 40 employees. "
@@ -160,7 +165,7 @@ def measure(
         "new_tokens_per_client": new_tokens,
         "decode_steps_per_client": steps,
         "repeats": repeats,
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_description(), "python": platform.python_version()},
         "one_after_another": serial,
         "batched": together,
         "batched_vs_one_after_another_last_client": round(
@@ -243,7 +248,7 @@ def ceiling(
         "steps": steps,
         "repeats": repeats,
         "threads": 2,
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_description(), "python": platform.python_version()},
         "sequences": rows,
     }
 

@@ -64,6 +64,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from llama_server import cpu_description
 from serve_process import ServeProcess, start_serve
 
 PROMPTS = [
@@ -572,7 +573,12 @@ def main() -> None:
             peer.stop()
     out = {
         "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "cpu": cpu_description(),
+            "python": platform.python_version(),
+        },
         "server": {
             "url": args.url,
             "args": server_args,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,25 @@ def gguf_path(name: str) -> Path:
     if len(model.parts) > 1 and single.is_file() and single.stat().st_size == model.size:
         return single
     return assemble_gguf(model, target)
+
+
+def cpu_description() -> dict[str, str]:
+    """The CPU a benchmark ran on: its model name and the SIMD features llama.cpp's CPU backend
+    uses (batched kernels differ between AVX2 and AVX-512/AMX, and so do their figures)."""
+    name = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    features = ""
+    if llama_cpp_available():
+        with contextlib.suppress(Exception):
+            import llama_cpp
+
+            info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | AVX512 = 1 | …"
+            features = " ".join(re.findall(r"(\w+) = 1", info))
+    return {"model": name, "llama_cpp": features}
 
 
 def free_port() -> int:

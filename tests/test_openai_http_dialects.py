@@ -22,6 +22,7 @@ from specem_core import SpecEM, SpecEMConfig
 from specem_core.backends.base import SamplingParams, SessionRequest
 from specem_core.backends.http.client import RetryPolicy
 from specem_core.backends.http.member import OpenAIHTTPMember
+from specem_core.backends.http.probing import PROMPT_TAIL_PROBE_TRIES
 from specem_core.types import Candidate, CandidateScore
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -203,10 +204,23 @@ def test_an_endpoint_that_refuses_the_probe_is_not_used() -> None:
     server = FakeServer.vllm(tail_400_when=lambda ids: True)
     m = vllm_member(server, "m")
     caps = m.probe()
-    assert server.tail_400s == 1
+    assert server.tail_400s == PROMPT_TAIL_PROBE_TRIES
     assert caps.score_paths == ("next_token", "echo")
     assert m.score_path == "next_token"
-    assert any("refused the probe (400)" in n for n in caps.notes), caps.notes
+    assert any("refused the probe (400, 3 tries)" in n for n in caps.notes), caps.notes
+
+
+def test_a_probe_refused_by_luck_is_tried_again() -> None:
+    """vLLM's 400 for a NaN it never wrote comes by luck: refused twice, then answered, the
+    endpoint is used."""
+    refusals = iter([True, True])
+    server = FakeServer.vllm(tail_400_when=lambda ids: next(refusals, False))
+    m = vllm_member(server, "m")
+    caps = m.probe()
+    assert server.tail_400s == 2
+    assert caps.score_paths[0] == "prompt_tail"
+    assert m.score_path == "prompt_tail"
+    assert not any("refused the probe" in n for n in caps.notes), caps.notes
 
 
 def test_forcing_a_path_the_server_lacks_is_refused() -> None:

@@ -225,13 +225,19 @@ def test_verification_reads_the_prefix_cache(server: LlamaServer, path: str) -> 
     session.score(cands, score_eos=True)
     scoring = recorder.scoring()
     assert scoring  # the other member's candidate (the own draft is scored from the draft's log-probs)
-    for _, answer in scoring:
+    # vLLM 0.32 cannot write some prompt_tail answers (HTTP 400: a NaN in an unwritten cached
+    # position; see the test above): that candidate goes to next_token, and is counted
+    refused = [answer for _, answer in scoring if "usage" not in answer]
+    assert len(refused) == member.stats.tail_fallbacks, refused
+    answered = [answer for _, answer in scoring if "usage" in answer]
+    assert answered
+    for answer in answered:
         usage = answer["usage"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         candidate = 12 if path == "prompt_tail" else 0  # the tokens of " in Lisbon, making solar panels", at most
         assert cached >= usage["prompt_tokens"] - BLOCK - candidate, usage
         assert cached >= 0.9 * usage["prompt_tokens"], usage
-    if path == "prompt_tail":  # one request per candidate at most (the own draft needs none)
+    if path == "prompt_tail" and not refused:  # one request per candidate at most (the own draft needs none)
         assert len(scoring) <= len(cands)
     trace = session.server_trace()
     assert trace["score_path"] == path
