@@ -128,6 +128,16 @@ def test_without_scale_out_verification_takes_next_token_and_says_why(server: Ll
     assert any("--enable-scale-out" in note for note in caps.notes), caps.notes
 
 
+def test_a_model_the_server_does_not_serve_is_named(server: LlamaServer) -> None:
+    """vLLM answers 404 for a model id it does not serve: the error names the model and what the
+    server lists, instead of "no completions endpoint"."""
+    from specem_core.backends.http.errors import CapabilityError
+
+    member = load_member(f"openai:{server.base_url}#qwen2.5-coder", name="wrong-id")
+    with pytest.raises(CapabilityError, match=r"serves no model 'qwen2.5-coder' \(/v1/models lists 'smollm2'"):
+        member.probe()
+
+
 class UnwritableAnswers(Recorder):
     """vLLM's 400 when a value it never wrote (a cached position's prompt log-prob) is NaN or +inf:
     the request ran (and filled the cache), the answer is lost. On once ``failing`` is set."""
