@@ -87,7 +87,7 @@ from specem_core.backends.http.client import (
     run_async,
     run_sync,
 )
-from specem_core.backends.http.errors import CapabilityError, HTTPMemberError, ServerResponseError
+from specem_core.backends.http.errors import HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import MemberStats
 from specem_core.backends.http.judge_prompt import JudgeOptions
 from specem_core.backends.http.modes import draft_mode_for, verify_mode_for, warn_plain_prompt
@@ -547,11 +547,7 @@ class OpenAIHTTPMember:
         caps = ServerCapabilities(server=kind, model=model, context_window=context_from_models(entries, model))
         caps = replace(caps, notes=tuple(notes))
         caps = await probing.probe_drafting(self, caps, self.can_draft)
-        listed = [str(e["id"]) for e in entries if e.get("id") is not None]
-        if self.can_draft and model and listed and model not in listed and not (caps.completions or caps.chat):
-            # vLLM and SGLang answer 404 for a model they do not serve: say that, not "no endpoint"
-            served = ", ".join(repr(i) for i in listed)
-            raise CapabilityError(f"{self.name}: the server serves no model {model!r} (/v1/models lists {served})")
+        probing.check_model_served(self.name, model, entries, caps, self.can_draft)
         for note in caps.notes:
             log.info("%s: %s", self.name, note)
         probe_cache.store(self._probe_key, caps, disk=self._probe_cache)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from specem_core.backends.http.alignment import parse_echo_logprobs
-from specem_core.backends.http.errors import AlignmentError, HTTPMemberError, ServerResponseError
+from specem_core.backends.http.errors import AlignmentError, CapabilityError, HTTPMemberError, ServerResponseError
 from specem_core.backends.http.interface import ServerMember
 from specem_core.backends.http.probe import (
     PREFILL_ANSWER,
@@ -146,6 +146,17 @@ async def probe_next_token(member: ServerMember, caps: ServerCapabilities) -> Se
             "verification assumes its prefix cache is on"
         )
     return replace(caps, next_token_logprobs=True, reports_cached_tokens=reported, notes=tuple(notes))
+
+
+def check_model_served(
+    name: str, model: str | None, entries: list[dict[str, Any]], caps: ServerCapabilities, can_draft: bool
+) -> None:
+    """Raise when drafting found no endpoint and ``model`` is not among what ``/v1/models`` lists:
+    vLLM and SGLang answer 404 for a model they do not serve, so say that, not "no endpoint"."""
+    listed = [str(e["id"]) for e in entries if e.get("id") is not None]
+    if can_draft and model and listed and model not in listed and not (caps.completions or caps.chat):
+        served = ", ".join(repr(i) for i in listed)
+        raise CapabilityError(f"{name}: the server serves no model {model!r} (/v1/models lists {served})")
 
 
 async def probe_prompt_tail(member: ServerMember, caps: ServerCapabilities) -> ServerCapabilities:
