@@ -208,8 +208,8 @@ def test_cache_path_scores_equal_the_echo_scores_on_fixed_rounds(server: LlamaSe
     assert stats.scored_candidates > 0
     assert stats.echo_fallbacks == 0
     # vLLM 0.32 cannot write some prompt_tail answers (a NaN in an unwritten cached position): those
-    # go to next_token, never most. How many is the memory's luck: 1 of these 10 candidates on an
-    # AVX2 CPU, 3 of 10 on an AVX-512 one (about one request in twenty in the Performance report)
+    # go to next_token, never most. How many is the memory's luck: 1 of these 10 candidates in one
+    # run, 3 of 10 in others (about one request in twenty in the Performance report)
     assert 2 * stats.tail_fallbacks <= stats.scored_candidates, stats
 
 
