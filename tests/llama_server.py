@@ -56,7 +56,7 @@ def cpu_description() -> dict[str, str]:
                 name = line.split(":", 1)[1].strip()
                 break
     features = ""
-    if llama_cpp_available():
+    if importlib.util.find_spec("llama_cpp") is not None:  # the library, not its server
         with contextlib.suppress(Exception):
             import llama_cpp
 

@@ -157,8 +157,9 @@ class JSONPrefixParser:
         with ``pattern`` its value so far must match it (a prefix pattern). ``after`` is what
         must follow the string (used for the forced continuation)."""
         if allowed is not None:
-            self.end_or(*(f'"{a}"{after}' for a in allowed))
-        self.ws()  # an open object's next key, after ", "
+            self.end_or(*(f'"{a}"{after}' for a in allowed))  # skips the whitespace too
+        else:
+            self.ws()  # an open object's next key, after ", "
         if self.peek() != '"':
             raise PrefixInvalid("expected a string")
         self.i += 1
