@@ -284,6 +284,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
     "invariant": {"history_invariant": True},
     "continuous": {"continuous_batching": True},
+    "continuous-invariant": {"continuous_batching": True, "history_invariant": True},
 }
 """The llama.cpp members' options of each ``--settings`` name."""
 

@@ -121,14 +121,15 @@ def _ensemble_arguments(parser: argparse.ArgumentParser, *, serving: bool = Fals
         "--history-invariant",
         action="store_true",
         help="llama.cpp members answer each request as they would alone in a new process, whatever ran before "
-        "or beside it (the prefix cache keeps only rows a cold prefill computes identically; follow-up turns "
-        "prefill the previous answer again)",
+        "or beside it (alone: the prefix cache keeps only rows a cold prefill computes identically, and follow-up "
+        "turns prefill the previous answer again; with --continuous-batching: row-invariant kernels)",
     )
     parser.add_argument(
         "--continuous-batching",
         action="store_true",
         help="concurrent requests share each llama.cpp member's decode calls (one context per member with n_ctx "
-        "cells for each request running at once: 8, or serve's --max-concurrency; answers then vary with the load)",
+        "cells for each request running at once: 8, or serve's --max-concurrency; answers then vary with the load "
+        "unless --history-invariant is set too)",
     )
     parser.add_argument(
         "--prefix-cache-tokens",

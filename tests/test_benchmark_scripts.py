@@ -39,6 +39,7 @@ MODES: dict[str, list[str]] = {
     "llama_cpp_kernels.py": ["--models smollm2 --repeats 1 --out {tmp}/out.json"],
     "llama_cpp_batching.py": ["--smoke --out {tmp}/out.json", "--ceiling --smoke --out {tmp}/out.json"],
     "llama_cpp_prefill.py": ["--smoke --out {tmp}/out.json"],
+    "llama_cpp_row_invariance.py": ["--smoke --out {tmp}/out.json"],
     "memory.py": ["--members smollm2 --max-new-tokens 4 --concurrent 1 --out {tmp}/out.json"],
     "multiturn.py": ["--smoke --out {tmp}/out.json"],
     "multiturn_servers.py": ["--smoke --out {tmp}/out.json"],

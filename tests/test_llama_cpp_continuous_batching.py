@@ -261,9 +261,8 @@ def test_the_engine_serves_concurrent_requests_on_shared_calls() -> None:
         assert stats.shared_calls > 0
 
 
-def test_refused_with_history_invariant_and_where_it_means_nothing() -> None:
-    with pytest.raises(ConfigError, match="exclude each other"):
-        LlamaCppModel(_gguf(), n_ctx=512, continuous_batching=True, history_invariant=True)
+def test_refused_where_it_means_nothing() -> None:
+    """(With ``history_invariant`` too: ``tests/test_llama_cpp_row_invariant.py``.)"""
     with pytest.raises(ConfigError, match="continuous_batching must be True or False"):
         LlamaCppModel(_gguf(), n_ctx=512, continuous_batching=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="at most 16 sessions"):

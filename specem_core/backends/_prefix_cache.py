@@ -159,6 +159,11 @@ class PrefixStore(Generic[T]):
                 self._on_evict(value_out)
         return kept
 
+    def values(self) -> list[T]:
+        """The entries' values, least recently used first."""
+        with self._lock:
+            return [e.value for e in sorted(self._entries, key=lambda e: e.last_used)]
+
     def clear(self) -> None:
         """Evict every entry."""
         with self._lock:

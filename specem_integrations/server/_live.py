@@ -98,7 +98,10 @@ class LiveView:
         passes (rollbacks, multi-token feeds); device seconds in each kind. Per llama.cpp model
         with continuous batching (``llama.cpp:NAME``): its ``llama_decode`` calls, those that
         served several sessions, the pieces of work served (``jobs``: a draft step, a verification
-        block, a prefill chunk), sessions per call on average and at most, tokens and seconds."""
+        block, a prefill chunk), sessions per call on average and at most, tokens and seconds; with
+        ``history_invariant`` too, the calls that carried a padding token, the compactions of the
+        cache and the order breaks (cells freed during a call: answers then running may differ
+        from alone)."""
         out: dict[str, dict[str, Any]] = {}
         for member in self.engine.members:
             shared = getattr(member, "shared_stats", None)
@@ -112,6 +115,9 @@ class LiveView:
                     "largest": shared.largest,
                     "tokens": shared.tokens,
                     "seconds": round(shared.seconds, 3),
+                    "padded_calls": shared.padded_calls,
+                    "compactions": shared.compactions,
+                    "order_breaks": shared.order_breaks,
                 }
         for member in self.engine.members:
             stats = member.batch_stats if isinstance(member, BatchingMember) else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from specem_core.backends.llama_cpp._invariant import note_decode
 from specem_core.errors import ModelNotFoundError, SpecEMError
 
 DEFAULT_N_CTX = 4096
@@ -56,7 +57,8 @@ class LoadedModel(Protocol):
     n_ctx: int
     n_batch: int
     n_threads: int
-    history_invariant: bool
+    chunk_invariant: bool
+    batch_invariant: bool
     flash_attn_type: int
     n_vocab: int
     decode_calls: int
@@ -212,8 +214,8 @@ class Work:
     outputs: list[int | None]
     full_rows: set[int] = field(default_factory=set)
     aligned: bool = False
-    """A prompt prefill: with ``history_invariant`` it is split where a position is divisible by
-    :data:`INVARIANT_CHUNK`, as a cold prefill of the same prompt is."""
+    """A prompt prefill: with ``history_invariant`` in a private context it is split where a
+    position is divisible by :data:`INVARIANT_CHUNK`, as a cold prefill of the same prompt is."""
     stats: dict[int, tuple[float, float]] = field(default_factory=dict)
     rows: dict[int, Any] = field(default_factory=dict)
 
@@ -366,7 +368,7 @@ class Context(SequenceBook):
         n_vocab = model.n_vocab
         i = 0
         n = len(work.tokens)
-        aligned = work.aligned and model.history_invariant
+        aligned = work.aligned and model.chunk_invariant
         while i < n:
             batch = self._batch
             count = outputs = 0
@@ -387,6 +389,7 @@ class Context(SequenceBook):
             batch.n_tokens = count
             with NATIVE_CALLS.call(f"{model.name}: llama_decode"):
                 status = int(lib.llama_decode(self._ctx, batch))
+            note_decode()
             self.decode_calls += 1
             model.decode_calls += 1
             if status != 0:

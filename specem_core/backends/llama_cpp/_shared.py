@@ -18,17 +18,24 @@ concurrent requests fall into step. A call takes one-token steps first, then fil
 across calls, with other sessions' steps riding along). Every llama.cpp call on the context
 (decode, KV edits, state copies) runs under one lock: llama.cpp's context is not thread-safe.
 
-What it does not keep: with the packaged weight types llama.cpp's kernels are not batch-invariant
-(docs/guides/how-it-works.md, "Exactness"), so a request's logits then depend on what shares its
-calls, and a session's rows may land in cells below its older ones once another session frees
-cells (the cell-order difference, 0.0 with flash attention off for most packaged models). Hence
-an option, off by default, and refused with ``history_invariant``; measured in
-docs/reports/performance.md, "Continuous batching on llama.cpp".
+What it does not keep by default: with the packaged weight types llama.cpp's kernels are not
+batch-invariant (docs/guides/how-it-works.md, "Exactness"), so a request's logits then depend on
+what shares its calls, and a session's rows may land in cells below its older ones once another
+session frees cells (the cell-order difference). With ``history_invariant`` too, the context runs
+row-invariant kernels (:mod:`specem_core.backends.llama_cpp._invariant`: micro-batches of at most
+63 tokens, a padding token beside a lone one) and frees no cell below a live one: removed rows are
+*retired* to a context-wide ballast sequence, so every session's new rows land above its older
+ones, as alone. The ballast is freed when no request is running (:meth:`SharedContext.compact`:
+the cached prefixes are copied out and loaded back at the bottom of the cache), or, if the cells
+run out first, during a call (counted in :attr:`SharedStats.order_breaks`; a request then running
+may differ from its answer alone). Measured in docs/reports/performance.md, "Continuous batching
+on llama.cpp".
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,11 +51,13 @@ from specem_core.backends.llama_cpp._binding import (
     SequenceBook,
     Work,
 )
+from specem_core.backends.llama_cpp._invariant import INVARIANT_UBATCH, PAD_TOKENS, note_decode
 
 SLOT_SEQUENCES = 2 + SCRATCH_SEQUENCES
 """Sequence ids of one slot: its session's (0), scratch sequences (1..14), its ballast (15)."""
 MAX_SLOTS = 256 // SLOT_SEQUENCES
 """llama.cpp's ``LLAMA_MAX_SEQ`` (256) sequence ids, 16 per slot."""
+_log = logging.getLogger(__name__)
 GATHER_S = 0.02
 """How long the thread starting a call waits at most for the steps of the other sessions inside a
 draft or a verification on the model. A session needs about a millisecond between two steps, but
@@ -73,6 +82,13 @@ class SharedStats:
     """Tokens decoded."""
     seconds: float = 0.0
     """Seconds spent in ``llama_decode`` and reading its rows."""
+    padded_calls: int = 0
+    """Calls that carried a padding token so that no micro-batch holds one token (row-invariant kernels)."""
+    compactions: int = 0
+    """Times the ballast was freed with no request running (row-invariant kernels)."""
+    order_breaks: int = 0
+    """Times the ballast was freed during a call because the cells ran out: requests then running
+    may have rows below their older ones (row-invariant kernels)."""
 
     @property
     def sessions_per_call(self) -> float:
@@ -117,14 +133,26 @@ class SharedContext:
         self._model = model
         self.name = model.name
         self.slots = slots
+        self.invariant = model.batch_invariant
+        """Row-invariant kernels, and no cell freed below a live one (see the module)."""
+        # row-invariant kernels: every slot's ballast is the context's, so the slots' own ballast ids
+        # are free; the first slot's serves as the context's ballast, the second's as the padding's
+        self.ballast_seq = BALLAST
+        """The context-wide ballast: the cells sessions removed, kept occupied (row-invariant kernels)."""
+        self.pad_seq = SLOT_SEQUENCES + BALLAST
+        """The sequence of the padding token (row-invariant kernels)."""
+        self.retired = 0
+        """Cells (an upper bound) held by the context-wide ballast."""
         self.n_ctx = model.n_ctx * slots
         """KV cells in all: each slot's ``n_ctx`` window, so no session runs short of cells."""
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = model.n_batch
-        cparams.n_ubatch = model.n_batch
-        cparams.n_seq_max = slots * SLOT_SEQUENCES
-        cparams.n_outputs_max = max(MAX_OUTPUTS, slots * SLOT_SEQUENCES)  # llama.cpp asks n_seq_max at least
+        cparams.n_ubatch = min(model.n_batch, INVARIANT_UBATCH) if self.invariant else model.n_batch
+        self.n_ubatch = int(cparams.n_ubatch)
+        """Tokens of one micro-batch (llama.cpp splits a call into them)."""
+        cparams.n_seq_max = max(slots, 2 if self.invariant else 1) * SLOT_SEQUENCES
+        cparams.n_outputs_max = max(MAX_OUTPUTS, cparams.n_seq_max)  # llama.cpp asks n_seq_max at least
         cparams.n_threads = model.n_threads
         cparams.n_threads_batch = model.n_threads
         cparams.kv_unified = True
@@ -138,7 +166,7 @@ class SharedContext:
             )
         self._ctx = ctx
         self._mem = lib.llama_get_memory(ctx)
-        self._batch = lib.llama_batch_init(model.n_batch, 0, 1)
+        self._batch = lib.llama_batch_init(model.n_batch + PAD_TOKENS, 0, 1)
         self.threads = model.n_threads
         self.gather_s = gather_s
         self.native = threading.Lock()
@@ -189,8 +217,46 @@ class SharedContext:
 
     # -- KV edits (under the context's lock) ---------------------------------------------------
     def seq_rm(self, seq: int, start: int, end: int) -> bool:
+        """Remove positions ``[start, end)`` of ``seq`` (``-1``: open); with row-invariant kernels
+        their cells are retired to the context-wide ballast instead of freed."""
+        lib = self._lib
         with self.native:
-            return bool(self._lib.llama_memory_seq_rm(self._mem, seq, start, end))
+            if self.invariant:
+                low = int(lib.llama_memory_seq_pos_min(self._mem, seq))
+                high = int(lib.llama_memory_seq_pos_max(self._mem, seq))
+                if high < 0:  # the sequence holds no row
+                    return True
+                first = max(low, start if start >= 0 else 0)
+                last = min(high + 1, end if end >= 0 else high + 1)
+                if last > first:
+                    lib.llama_memory_seq_cp(self._mem, seq, self.ballast_seq, first, last)
+                    self.retired += last - first
+            return bool(lib.llama_memory_seq_rm(self._mem, seq, start, end))
+
+    def retire(self, seq: int, start: int, end: int) -> None:
+        """Keep the cells of ``seq`` in ``[start, end)`` occupied by the context's ballast."""
+        with self.native:
+            self._lib.llama_memory_seq_cp(self._mem, seq, self.ballast_seq, start, end)
+            self.retired += max(0, end - start)
+
+    def compact(self, keep: list[Slot]) -> bool:
+        """(No request running; row-invariant kernels.) Free the ballast: the rows of the slots in
+        ``keep`` (sequence 0 each: cached prefixes) are copied to host memory, the cache is cleared
+        and they are loaded back from its first cell up, in order, so that no freed cell lies below
+        a kept one. Returns False when a prefix could not be loaded back (its slot is then empty)."""
+        copies = [(slot, self.save_sequence(slot.base)) for slot in keep]
+        with self.native:
+            self._lib.llama_memory_clear(self._mem, False)
+        self.retired = 0
+        self.stats.compactions += 1
+        loaded = True
+        for slot, data in copies:
+            slot.ballast = 0
+            slot.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
+            if not self.load_sequence(data, slot.base):
+                slot.held = []
+                loaded = False
+        return loaded
 
     def seq_cp(self, src: int, dst: int, start: int, end: int) -> None:
         with self.native:
@@ -292,13 +358,26 @@ class SharedContext:
                     batch.seq_id[b][0] = base + work.seqs[i]
                     batch.logits[b] = 1 if work.outputs[i] is not None else 0
             batch.n_tokens = sum(p.count for p in pieces)
+            n = batch.n_tokens
+            # a micro-batch of one token (a lone step, or the last of a call llama.cpp splits into
+            # n_ubatch tokens each) would take flash attention's split-KV path (see _invariant)
+            padded = self.invariant and n % self.n_ubatch == 1
+            if padded:
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = batch.token[0], 0, 1
+                batch.seq_id[n][0], batch.logits[n] = self.pad_seq, 0
+                batch.n_tokens = n + 1
+                self.stats.padded_calls += 1
             with self._model.decode_threads() as threads, self.native:
                 if threads != self.threads:
                     lib.llama_set_n_threads(self._ctx, threads, threads)
                     self.threads = threads
                 model.decodes_by_threads[threads] = model.decodes_by_threads.get(threads, 0) + 1
-                with NATIVE_CALLS.call(f"{model.name}: llama_decode"):
-                    status = int(lib.llama_decode(self._ctx, batch))
+                status = self._decode_call(batch)
+                if status == 1 and self.invariant and self.retired:
+                    self._break_order()
+                    status = self._decode_call(batch)
+                if padded:
+                    lib.llama_memory_seq_rm(self._mem, self.pad_seq, -1, -1)
                 model.decode_calls += 1
                 if status != 0:
                     why = "no KV slot left" if status == 1 else f"llama_decode returned {status}"
@@ -316,6 +395,25 @@ class SharedContext:
         for piece in pieces:
             piece.job.done_tokens += piece.count
             piece.job.done = piece.job.left == 0
+
+    def _decode_call(self, batch: Any) -> int:
+        """(Context lock held.) One ``llama_decode``."""
+        with NATIVE_CALLS.call(f"{self._model.name}: llama_decode"):
+            status = int(self._lib.llama_decode(self._ctx, batch))
+        note_decode()
+        return status
+
+    def _break_order(self) -> None:
+        """(Context lock held.) The cells ran out with requests running: free the ballast anyway."""
+        self._lib.llama_memory_seq_rm(self._mem, self.ballast_seq, -1, -1)
+        self.stats.order_breaks += 1
+        _log.warning(
+            "%s: the shared context's cells ran out with %d retired; freed them during a call, so a request "
+            "running now may differ from its answer alone (raise n_ctx or max_contexts)",
+            self._model.name,
+            self.retired,
+        )
+        self.retired = 0
 
     def _record(self, pieces: list[_Piece], seconds: float) -> None:
         stats = self.stats
@@ -368,7 +466,8 @@ class Slot(SequenceBook):
     def reset(self) -> None:
         """Forget every KV row of the slot's sequences."""
         for seq in range(SLOT_SEQUENCES):
-            self.shared.seq_rm(self.base + seq, -1, -1)
+            if not (seq == BALLAST and self.shared.invariant):  # the context's ballast keeps its cells
+                self.shared.seq_rm(self.base + seq, -1, -1)
         self.free_scratch = list(range(SCRATCH_SEQUENCES, 0, -1))
         self.ballast = 0
         self.held = []
@@ -377,7 +476,8 @@ class Slot(SequenceBook):
         return self.shared.seq_rm(self.base + seq, length, -1)
 
     def drop_ballast(self) -> None:
-        self.shared.seq_rm(self.base + BALLAST, 0, -1)
+        if not self.shared.invariant:  # (row-invariant kernels: the context's ballast keeps them)
+            self.shared.seq_rm(self.base + BALLAST, 0, -1)
         self.ballast = 0
 
     def save_sequence(self) -> Any:
@@ -390,6 +490,9 @@ class Slot(SequenceBook):
         return False
 
     def share(self, src: int, dst: int, start: int, end: int) -> None:
+        if dst == BALLAST and self.shared.invariant:  # retired: to the context's ballast
+            self.shared.retire(self.base + src, start, end)
+            return
         self.shared.seq_cp(self.base + src, self.base + dst, start, end)
 
     def fork(self, source: Slot, length: int) -> None:

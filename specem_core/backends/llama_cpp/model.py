@@ -40,6 +40,7 @@ from specem_core.backends.llama_cpp._binding import (
     default_threads,
     load_library,
 )
+from specem_core.backends.llama_cpp._invariant import require_row_invariant_kernels
 from specem_core.backends.llama_cpp._shared import MAX_SLOTS, SharedContext, Slot
 from specem_core.backends.llama_cpp._threads import free_cores
 from specem_core.backends.llama_cpp._vocab import GgufVocabulary
@@ -89,17 +90,20 @@ class LlamaCppModel(GgufVocabulary):
             (default :data:`~specem_core.backends._prefix_cache.DEFAULT_PREFIX_CACHE_TOKENS`: two idle
             contexts of 8,192 cells).
         history_invariant: a request's greedy answer does not depend on what ran before it or
-            beside it in the process. Prompts are prefilled in chunks of
-            :data:`~specem_core.backends.llama_cpp._binding.INVARIANT_CHUNK` tokens at positions
-            divisible by it, and the prefix cache hands a later request only rows such a prefill
-            computed, in whole chunks, in a context that holds nothing else: the rows it reuses are
-            bit for bit the ones a cold prefill computes (llama.cpp's kernels are not
+            beside it in the process. With private contexts (the default), prompts are prefilled
+            in chunks of :data:`~specem_core.backends.llama_cpp._binding.INVARIANT_CHUNK` tokens at
+            positions divisible by it, and the prefix cache hands a later request only rows such a
+            prefill computed, in whole chunks, in a context that holds nothing else: the rows it
+            reuses are bit for bit the ones a cold prefill computes (llama.cpp's kernels are not
             batch-invariant for most weight types, so a row computed in another batch shape, such
-            as a decoded answer token, would differ). Decodes use ``n_threads`` threads whatever
-            the load (``"auto"``'s maximum), since the thread count moves flash attention's
-            logits too. The price is on follow-up turns, which prefill the previous answer again,
-            and on a busy CPU (measured in docs/reports/performance.md, "History-invariant
-            answers").
+            as a decoded answer token, would differ). With ``continuous_batching`` it takes the
+            kernels' route instead: llama.cpp runs only paths whose result for a row does not
+            depend on the other rows of its call (see :mod:`specem_core.backends.llama_cpp._invariant`;
+            it sets ``GGML_CPU_TILED_MM=0`` for the process), and the shared context frees no KV
+            cell below a live one; every row is then reusable. Decodes use ``n_threads`` threads
+            whatever the load (``"auto"``'s maximum), since the thread count moves flash
+            attention's logits too. The price is measured in docs/reports/performance.md
+            ("History-invariant answers", "Continuous batching on llama.cpp").
         continuous_batching: concurrent sessions share ``llama_decode`` calls: the model holds
             one context whose unified KV cache has ``n_ctx`` cells for each of ``max_contexts``
             sessions (allocated at load: ``max_contexts`` times one context's KV memory), and the
@@ -107,14 +111,16 @@ class LlamaCppModel(GgufVocabulary):
             time run in one call, so that the weights are read once for all of them (see
             :mod:`specem_core.backends.llama_cpp._shared`). More tokens per second with several
             requests at once; a request's logits then depend on what shares its calls (llama.cpp's
-            kernels are not batch-invariant for most weight types), so it cannot be combined with
-            ``history_invariant``. Flash attention is on unless ``flash_attention`` says otherwise
-            (its kernel skips the cells of other sessions). Measured in
-            docs/reports/performance.md, "Continuous batching on llama.cpp".
+            kernels are not batch-invariant for most weight types) unless ``history_invariant``
+            is set too. Flash attention is on unless ``flash_attention`` says otherwise (its
+            kernel skips the cells of other sessions; with ``history_invariant`` it must be on).
+            Measured in docs/reports/performance.md, "Continuous batching on llama.cpp".
 
     Raises:
-        ConfigError: ``continuous_batching`` with ``history_invariant``, or more than
-            :data:`~specem_core.backends.llama_cpp._shared.MAX_SLOTS` ``max_contexts`` with it.
+        ConfigError: more than :data:`~specem_core.backends.llama_cpp._shared.MAX_SLOTS`
+            ``max_contexts`` with ``continuous_batching``, ``flash_attention=False`` with it and
+            ``history_invariant``, or both after another llama.cpp model decoded in the process
+            with ggml's tiled matmul on.
         ModelNotFoundError: the file is missing, not a GGUF, truncated, or llama.cpp cannot load it.
     """
 
@@ -139,10 +145,26 @@ class LlamaCppModel(GgufVocabulary):
         self.path = Path(path).expanduser()
         self.info = validate_gguf(self.path)  # a clear error before llama.cpp sees a bad file
         threads = thread_setting(n_threads)
+        for name, flag in (("history_invariant", history_invariant), ("continuous_batching", continuous_batching)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if flash_attention is not None and not isinstance(flash_attention, bool):
+            raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
+        self.batch_invariant = continuous_batching and history_invariant
+        """Row-invariant kernels in a shared context (:mod:`._invariant`)."""
+        if self.batch_invariant:
+            if flash_attention is False:
+                raise ConfigError(
+                    "continuous_batching with history_invariant needs flash attention: its per-row kernel "
+                    "is what keeps a row's logits independent of its call"
+                )
+            require_row_invariant_kernels(self.path.name)
         lib = load_library()
         self.lib = lib
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        if self.batch_invariant:
+            mparams.use_extra_bufts = False  # repacked weights have a 4-row GEMM and a 1-row GEMV
         model = lib.llama_model_load_from_file(str(self.path).encode("utf-8"), mparams)
         if not model:
             raise ModelNotFoundError(f"llama.cpp could not load {str(self.path)!r} (unsupported or damaged GGUF)")
@@ -160,8 +182,6 @@ class LlamaCppModel(GgufVocabulary):
         if self.auto_threads:
             free_cores().estimate()  # the first reading: the first decode then sees a window
         self.n_batch = n_batch
-        if flash_attention is not None and not isinstance(flash_attention, bool):
-            raise ConfigError(f"flash_attention must be True, False or None, got {flash_attention!r}")
         self.file_type = self._file_type()
         # continuous batching: one KV cache holds every session's rows; the flash-attention kernel
         # skips the cells another session's mask hides, the other path reads them all
@@ -173,16 +193,9 @@ class LlamaCppModel(GgufVocabulary):
         self._pool: list[KVContext] = []
         """Idle contexts holding no rows."""
         self.prefix_cache = prefix_cache
-        if not isinstance(history_invariant, bool):
-            raise ConfigError(f"history_invariant must be True or False, got {history_invariant!r}")
         self.history_invariant = history_invariant
-        if not isinstance(continuous_batching, bool):
-            raise ConfigError(f"continuous_batching must be True or False, got {continuous_batching!r}")
-        if continuous_batching and history_invariant:
-            raise ConfigError(
-                "continuous_batching and history_invariant exclude each other: shared decode calls move a "
-                "request's logits with what shares them (llama.cpp's kernels are not batch-invariant)"
-            )
+        self.chunk_invariant = history_invariant and not continuous_batching
+        """History invariance by aligned prefill chunks (private contexts; see ``history_invariant``)."""
         if continuous_batching and self.max_contexts > MAX_SLOTS:
             raise ConfigError(
                 f"continuous_batching serves at most {MAX_SLOTS} sessions (max_contexts), not {self.max_contexts}"
@@ -342,7 +355,7 @@ class LlamaCppModel(GgufVocabulary):
         cleared instead, as is one whose ballast the session would refill at its first commit.
         """
         ballast = context.ballast
-        if self.history_invariant:  # whole chunks only (the context holds no ballast then)
+        if self.chunk_invariant:  # whole chunks only (the context holds no ballast then)
             reused -= reused % INVARIANT_CHUNK
         if (
             reused <= 0
@@ -403,6 +416,7 @@ class LlamaCppModel(GgufVocabulary):
         if not cached:
             with self._pool_cond:
                 self._pool_cond.notify()
+            self._compact_when_idle()
             return
         # (not kept past the budget; a shared context's slots fork cached rows instead)
         copy = len(context.held) >= SNAPSHOT_MIN_TOKENS and self.n_ctx <= self.prefix_cache_tokens and not self.shared
@@ -417,6 +431,22 @@ class LlamaCppModel(GgufVocabulary):
                 self._copying.add(copier)
                 copier.start()
             self._pool_cond.notify()
+        self._compact_when_idle()
+
+    def _compact_when_idle(self) -> None:
+        """With row-invariant continuous batching: once no request runs and the shared context's
+        ballast holds a slot's worth of cells, free it (the cached prefixes move to the bottom of
+        the cache: :meth:`SharedContext.compact`)."""
+        shared = self.shared
+        if shared is None or not shared.invariant or shared.retired < self.n_ctx:
+            return
+        with self._pool_cond:
+            if self._in_use or self._closed:
+                return
+            kept = [slot for slot in self.prefixes.values() if isinstance(slot, Slot)]
+            loaded = shared.compact(kept)
+        if not loaded:  # a prefix could not be loaded back: no cached slot is trusted to hold its rows
+            self.prefixes.clear()
 
     def _copy_rows(self, context: KVContext, held: list[int]) -> None:
         try:

@@ -218,13 +218,13 @@ class LlamaCppSession(LocalSession):
         committed prefix), so the next session's cell-order rule holds."""
         assert self._ctx is not None
         keep = self.reusable_prefix()
-        if self._model.history_invariant:  # only a prompt prefill's rows (the model hands over whole chunks)
+        if self._model.chunk_invariant:  # only a prompt prefill's rows (the model hands over whole chunks)
             keep = keep[: self._exact]
         if not keep:
             return []
         self._drop_scratch()
         self._set_length(len(keep))
-        if self._model.history_invariant:
+        if self._model.chunk_invariant:
             # every retired cell lies above the prefill's rows: the context then holds the kept
             # rows alone, in cells 0.., as a cold prefill leaves them
             self._ctx.drop_ballast()
