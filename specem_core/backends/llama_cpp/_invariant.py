@@ -60,13 +60,19 @@ def note_decode() -> None:
     _decoded = True
 
 
-def require_row_invariant_kernels(model_name: str) -> None:
+def require_row_invariant_kernels(model_name: str, flash_attention: bool | None = None) -> None:
     """Turn ggml's tiled K-quant matmul off for this process (``GGML_CPU_TILED_MM=0``).
 
     Raises:
-        ConfigError: a llama.cpp decode already ran in this process with the tiled matmul on
-            (ggml read the variable then and keeps what it read).
+        ConfigError: ``flash_attention=False`` (its per-row kernel is the invariant attention), or
+            a llama.cpp decode already ran in this process with the tiled matmul on (ggml read the
+            variable then and keeps what it read).
     """
+    if flash_attention is False:
+        raise ConfigError(
+            f"{model_name}: continuous_batching with history_invariant needs flash attention: its per-row "
+            "kernel is what keeps a row's logits independent of its call"
+        )
     with _lock:
         if os.environ.get(TILED_MM_ENV) == "0":
             return

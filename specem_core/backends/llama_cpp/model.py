@@ -153,12 +153,7 @@ class LlamaCppModel(GgufVocabulary):
         self.batch_invariant = continuous_batching and history_invariant
         """Row-invariant kernels in a shared context (:mod:`._invariant`)."""
         if self.batch_invariant:
-            if flash_attention is False:
-                raise ConfigError(
-                    "continuous_batching with history_invariant needs flash attention: its per-row kernel "
-                    "is what keeps a row's logits independent of its call"
-                )
-            require_row_invariant_kernels(self.path.name)
+            require_row_invariant_kernels(self.path.name, flash_attention)
         lib = load_library()
         self.lib = lib
         mparams = lib.llama_model_default_params()
