@@ -1,7 +1,8 @@
 """llama.cpp members in process (GGUF as shipped), through llama-cpp-python's low-level API.
 
 One package, a module per concern: :mod:`._binding` (the ctypes library, a context, a batch of
-work), :mod:`._shared` (one context shared by every session: continuous batching), :mod:`.model`
+work), :mod:`._shared` (one context shared by every session: continuous batching), :mod:`._invariant`
+(the kernel paths that keep a row's logits independent of its call), :mod:`.model`
 (weights and the pool of contexts with the prefix cache; its vocabulary helpers in
 :mod:`._vocab`), :mod:`.member` (the member: chat format, tokenizer helpers), :mod:`.session` (one
 request's KV state) and :mod:`._threads` (threads per decode that follow the cores other processes
