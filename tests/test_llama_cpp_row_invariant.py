@@ -8,6 +8,7 @@ decode, and this test process has decoded with the tiled matmul on."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,11 +86,11 @@ def test_each_request_gets_its_answer_alone_beside_others_and_after_them() -> No
 
 
 def test_the_kernel_setting_is_taken_before_the_first_decode_and_refused_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_invariant.TILED_MM_ENV, raising=False)
+    before = os.environ.get(_invariant.TILED_MM_ENV)
+    monkeypatch.setenv(_invariant.TILED_MM_ENV, "1")  # recorded first, so the process's value comes back after
+    monkeypatch.delenv(_invariant.TILED_MM_ENV)
     monkeypatch.setattr(_invariant, "_decoded", False)
     _invariant.require_row_invariant_kernels("m.gguf")
-    import os
-
     assert os.environ[_invariant.TILED_MM_ENV] == "0"
     monkeypatch.delenv(_invariant.TILED_MM_ENV)
     monkeypatch.setattr(_invariant, "_decoded", True)
@@ -98,6 +99,8 @@ def test_the_kernel_setting_is_taken_before_the_first_decode_and_refused_after(m
     assert "m.gguf" in str(caught.value)
     monkeypatch.setenv(_invariant.TILED_MM_ENV, "0")  # set by the user before the process started
     _invariant.require_row_invariant_kernels("m.gguf")
+    monkeypatch.undo()
+    assert os.environ.get(_invariant.TILED_MM_ENV) == before
 
 
 def test_refused_without_flash_attention() -> None:
