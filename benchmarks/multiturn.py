@@ -18,7 +18,9 @@ reusing the previous call's prefix), ``one-1.5b`` (SpecEM with the 1.5B as its o
 ``quality`` and ``fast`` (the presets); each SpecEM row runs with the prefix cache (``after``) and
 without it (``before``, ``prefix_cache=False``: every request re-reads its whole prompt), and with
 ``--invariant`` also with ``history_invariant`` (``cache=invariant``: only rows a cold prefill
-computes identically are reused, so follow-ups prefill the previous answer again). Each row
+computes identically are reused, so follow-ups prefill the previous answer again), and with
+``--continuous-invariant`` with it and ``continuous_batching`` (row-invariant kernels: every row is
+reused, prefill is slower). Each row
 runs in a subprocess of its own, so its peak RSS is its own.
 
 Per turn: seconds, time to the first segment (first token for the peer), prompt tokens, and per
@@ -178,14 +180,18 @@ def peer_asker(model: str) -> Any:
 
 
 Cache = bool | str
-"""A SpecEM row's prefix cache: on (True), off (False), or ``"invariant"`` (on, with the llama.cpp
-members' ``history_invariant``: only rows a cold prefill computes identically are reused)."""
+"""A SpecEM row's prefix cache: on (True), off (False), ``"invariant"`` (on, with the llama.cpp
+members' ``history_invariant``: only rows a cold prefill computes identically are reused) or
+``"continuous-invariant"`` (``history_invariant`` with ``continuous_batching``: row-invariant
+kernels, every row reused)."""
 
 
 def cache_kwargs(cache: Cache) -> dict[str, Any]:
     """The member options of a cache setting."""
     if cache == "invariant":
         return {"prefix_cache": True, "history_invariant": True}
+    if cache == "continuous-invariant":
+        return {"prefix_cache": True, "history_invariant": True, "continuous_batching": True}
     return {"prefix_cache": bool(cache)}
 
 
@@ -458,6 +464,11 @@ def main() -> None:
     parser.add_argument(
         "--invariant", action="store_true", help="SpecEM rows also with history_invariant (cache=invariant)"
     )
+    parser.add_argument(
+        "--continuous-invariant",
+        action="store_true",
+        help="SpecEM rows also with history_invariant and continuous_batching (cache=continuous-invariant)",
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: SmolLM2 rows, 2 short turns, 2 clients")
     parser.add_argument("--runs", type=int, default=1, help="runs of every conversation row, taking turns (medians)")
     parser.add_argument("--row-timeout", type=float, default=3600)
@@ -482,6 +493,7 @@ def main() -> None:
         for row in args.rows:
             caches: list[Cache] = [True] if args.only_after else [True, False]
             caches += ["invariant"] if args.invariant else []
+            caches += ["continuous-invariant"] if args.continuous_invariant else []
             for cache in [True] if row.startswith("peer-") else caches:
                 started = time.perf_counter()
                 rows.append(spawn(row, cache, argparse.Namespace(**{**vars(args), "workloads": conversation})))
