@@ -160,9 +160,9 @@ class PrefixStore(Generic[T]):
         return kept
 
     def values(self) -> list[T]:
-        """The entries' values, least recently used first."""
+        """The entries' values."""
         with self._lock:
-            return [e.value for e in sorted(self._entries, key=lambda e: e.last_used)]
+            return [e.value for e in self._entries]
 
     def clear(self) -> None:
         """Evict every entry."""

@@ -24,7 +24,7 @@ Q5_0/Q8_0 weights included: each tile accumulates its cells in the same order wh
 shape) and each query row's attention over the cells in cell order, skipping the cells its mask
 hides. So a row's values depend on its tokens and on the *order of its sequence's cells*: flash
 attention accumulates in f16, and a cell reused below a sequence's newer ones changes the sum
-(0.2-0.3 on the logits). The shared context therefore frees no cell below a live one: see
+(0.4-0.5 on the logits of the packaged Qwen2.5 models). The shared context therefore frees no cell below a live one: see
 :class:`~specem_core.backends.llama_cpp._shared.SharedContext`.
 
 The price is the speed of these paths: prefill runs without the tiled matmul and the repacked

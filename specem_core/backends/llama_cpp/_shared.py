@@ -23,7 +23,7 @@ batch-invariant (docs/guides/how-it-works.md, "Exactness"), so a request's logit
 what shares its calls, and a session's rows may land in cells below its older ones once another
 session frees cells (the cell-order difference). With ``history_invariant`` too, the context runs
 row-invariant kernels (:mod:`specem_core.backends.llama_cpp._invariant`: micro-batches of at most
-63 tokens, a padding token beside a lone one) and frees no cell below a live one: removed rows are
+63 tokens, a padding token where one would hold a single token) and frees no cell below a live one: removed rows are
 *retired* to a context-wide ballast sequence, so every session's new rows land above its older
 ones, as alone. The ballast is freed when no request is running (:meth:`SharedContext.compact`:
 the cached prefixes are copied out and loaded back at the bottom of the cache), or, if the cells
@@ -228,16 +228,19 @@ class SharedContext:
                     return True
                 first = max(low, start if start >= 0 else 0)
                 last = min(high + 1, end if end >= 0 else high + 1)
-                if last > first:
-                    lib.llama_memory_seq_cp(self._mem, seq, self.ballast_seq, first, last)
-                    self.retired += last - first
+                self._retire(seq, first, last)
             return bool(lib.llama_memory_seq_rm(self._mem, seq, start, end))
 
     def retire(self, seq: int, start: int, end: int) -> None:
         """Keep the cells of ``seq`` in ``[start, end)`` occupied by the context's ballast."""
         with self.native:
+            self._retire(seq, start, end)
+
+    def _retire(self, seq: int, start: int, end: int) -> None:
+        """(Context lock held.) :meth:`retire`."""
+        if end > start:
             self._lib.llama_memory_seq_cp(self._mem, seq, self.ballast_seq, start, end)
-            self.retired += max(0, end - start)
+            self.retired += end - start
 
     def compact(self, keep: list[Slot]) -> bool:
         """(No request running; row-invariant kernels.) Free the ballast: the rows of the slots in
