@@ -289,8 +289,11 @@ class Run:
 
     def draft(self, drafting: Drafting, max_tokens: int, k: int) -> dict[int, Draft]:
         """Every drafter's draft (step 1). When the trusted member drafting alone fails, the
-        others draft instead; when it opens a tool call in a round that decides the opening, the
-        others draft too (``unanimous_tool_calls``). ``drafting`` is updated to who drafted."""
+        others draft instead; when every draft repeats an earlier answer while some drafters sat
+        the round out (the trusted member drafted alone, or Model Exit stopped them), they draft
+        too (``copy_guard_words``); when the trusted member opens a tool call in a round that
+        decides the opening, the others draft too (``unanimous_tool_calls``). ``drafting`` is
+        updated to who drafted."""
         drafts = self.draft_each(drafting.members, max_tokens, k)
         self.calls.require_drafter()
         if drafting.solo is not None and not drafts:  # the trusted member was excluded: the others draft
@@ -299,12 +302,13 @@ class Run:
             drafts = self.draft_each(drafting.members, max_tokens, k)
             self.calls.require_drafter()
         solo = drafting.solo
-        if solo is not None and solo in drafts and self.copied([Candidate("", drafts[solo].text, False)]):
-            # the member drafting alone repeats an earlier answer: the others draft, and the round is voted
+        sat_out = [i for i in self.calls.active() if self.members[i].can_draft and i not in drafts]
+        if sat_out and self.all_copy(drafts):
+            # every draft repeats an earlier answer while some drafters sat this round out (the
+            # trusted member drafted alone, or Model Exit stopped them): they draft, and the round is voted
             drafting.solo = None
-            others = [i for i in drafting.available if i != solo and i in self.sessions]
-            drafts.update(self.draft_each(others, max_tokens, k))
-            drafting.members = [i for i in drafting.available if i in drafts]
+            drafts.update(self.draft_each(sat_out, max_tokens, k))
+            drafting.members = [i for i in self.calls.active() if i in drafts]
         elif drafting.decides_opening and solo is not None and solo in drafts and opens_call(drafts[solo].text):
             # the trusted member would call: whether the answer does is up to the others' openings too
             others = [i for i in drafting.available if i != solo and i in self.sessions]
@@ -316,6 +320,11 @@ class Run:
             self.usage[i].reused_tokens += d.reused
             self.usage[i].rounds_drafted += 1
         return drafts
+
+    def all_copy(self, drafts: Mapping[int, Draft]) -> bool:
+        """Every non-empty draft repeats an earlier answer (``copy_guard_words``)."""
+        texts = [d.text for d in drafts.values() if d.text]
+        return bool(texts) and all(self.copied([Candidate("", text, False)]) for text in texts)
 
     def draft_each(self, drafting: list[int], max_tokens: int, k: int) -> dict[int, Draft]:
         """The drafts of ``drafting``. Drafters that would run one after another anyway (one

@@ -110,6 +110,24 @@ def test_a_trusted_opening_that_copies_has_the_others_draft_and_a_vote() -> None
     assert guarded.text == NEW
 
 
+def test_a_drafter_model_exit_stopped_drafts_again_when_the_lone_draft_copies() -> None:
+    """Model Exit stops ``b`` after it agreed with ``a`` once; when ``a``, drafting alone, then
+    repeats its earlier answer, ``b`` drafts that round again and the guard has an answer to pick."""
+    prefer_copy = lambda committed, c: 3.0 if c.text.startswith(" The pump") else 1.0  # noqa: E731
+    opening = "Here is what I found:"
+    pair = [
+        ScriptedMember("a", drafts=[(opening, False), (" " + COPY, False), (" by Ana.", True)], scorer=prefer_copy),
+        ScriptedMember("b", drafts=[(opening, False), (" " + NEW, True)], scorer=prefer_copy),
+    ]
+    options = {"model_exit": True, "model_exit_agreement_rounds": 1}
+    result = SpecEM(pair, copy_guard_words=5, **options).generate(CHAT)
+    assert [s.drafters for s in result.segments] == [["a", "b"], ["a", "b"]]
+    assert result.text == f"{opening} {NEW}"
+    assert result.segments[1].copied == [0]
+    unguarded = SpecEM([ScriptedMember(m.name, m.drafts, m.scorer) for m in pair], copy_guard_words=0, **options)
+    assert [s.drafters for s in unguarded.generate(CHAT).segments][1] == ["a"]  # b had exited
+
+
 def test_tool_calls_are_not_guarded() -> None:
     call = '{"name": "lookup", "arguments": {"machine": "Press 3", "field": "repair hours"}}'
     chat = [
