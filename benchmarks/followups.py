@@ -5,6 +5,8 @@
     python benchmarks/followups.py run --config 0.5b --set mtbench   # MT-Bench's second turns (copy rate)
     python benchmarks/followups.py report                            # the tables (out of fold) from the records
     python benchmarks/followups.py trace --config quality --set mtbench --guard 5 --ids mtbench-112  # each round
+    python benchmarks/followups.py alone-on --config 0.5b --on quality fast --set mtbench --guard 5  # same history
+    python benchmarks/followups.py replay --config fast --set mtbench --guard 5   # archived histories, current code
     python benchmarks/followups.py --smoke                           # seconds: two conversations, SmolLM2
 
 **Conversations** (``conversations()``, seeded, 64 of them, 3-4 turns): made-up documents and stories
@@ -44,6 +46,15 @@ run after that choice, is held out whole.
 
 Records: ``benchmarks/results/followups/<set>_<config>_g<guard>.jsonl`` (one line per turn, with
 the answer, the grade, the copy check and each round's winner and copied candidates).
+
+**The same history** (``alone-on``): each member alone answers every follow-up after an ensemble's
+own earlier answers (its record), so that an ensemble's copy can be told apart from one its members
+would make too. The members of the MT-Bench comparison "both alone" answered after their *own*
+first answers, which differ from the ensemble's. Records:
+``same_history/<set>_<member>_on_<config>_g<guard>.jsonl``; ``report`` tabulates them. **Replayed**
+(``replay``): an ensemble's follow-ups answered again on the current code after the earlier
+answers of its run archived under ``benchmarks/results/archive/followups/`` (``replayed/``), so a
+change is compared on the very histories it had.
 """
 
 from __future__ import annotations
@@ -54,13 +65,18 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "followups"
+ARCHIVED = ROOT / "benchmarks" / "results" / "archive" / "followups"
+"""The runs with the guard on made before a drafter Model Exit had stopped drafted again when the
+lone draft copied (``Run.draft``): the MT-Bench comparison's "before" rows."""
+REPLAYED = RESULTS / "replayed"
+"""``replay``'s records: the archived runs' follow-ups answered again on the current code."""
 MTBENCH = ROOT / "benchmarks" / "data" / "mt_bench_question.jsonl"
 MTBENCH_COMMIT = "0e6d3e4beaab66f4d3f93db72541a4abab8af28d"
 MTBENCH_CATEGORIES = ("math", "reasoning", "coding", "extraction", "stem", "humanities")
@@ -244,9 +260,14 @@ def copied_run(answer: str, earlier_answers: Sequence[str], other_messages: Sequ
 
 
 # -- running -------------------------------------------------------------------------------------
-def build_engine(config: str) -> Any:
+def build_engine(config: str, invariant: bool = False) -> Any:
+    """``config``'s engine; ``invariant``: in-process members with ``history_invariant=True``, so that
+    an answer does not depend on what ran before in the process (#70)."""
     from specem_core import SpecEM
 
+    if invariant and config in ("server-pair", "vllm-pair", *SERVED_ALONE):
+        raise SystemExit("--invariant applies to members in process only")
+    options = {"backend": "llamacpp", "member_kwargs": {"history_invariant": True} if invariant else None}
     if config == "server-pair":
         return server_pair()
     if config == "vllm-pair":
@@ -254,10 +275,10 @@ def build_engine(config: str) -> Any:
     if config in SERVED_ALONE:
         return server_pair(vllm=True, keys=(SERVED_ALONE[config],))
     if config in MEMBERS:
-        return SpecEM.from_preset("quality", members=[MEMBERS[config]], backend="llamacpp")
+        return SpecEM.from_preset("quality", members=[MEMBERS[config]], **options)
     if config == "user-pair":
-        return SpecEM.from_preset("quality", members=[MEMBERS["0.5b"], MEMBERS["smol"]], backend="llamacpp")
-    return SpecEM.from_preset(config, backend="llamacpp")
+        return SpecEM.from_preset("quality", members=[MEMBERS["0.5b"], MEMBERS["smol"]], **options)
+    return SpecEM.from_preset(config, **options)
 
 
 def server_pair(vllm: bool = False, keys: Sequence[str] = ("0.5b", "smol")) -> Any:
@@ -286,28 +307,42 @@ def server_pair(vllm: bool = False, keys: Sequence[str] = ("0.5b", "smol")) -> A
     return SpecEM.from_preset("quality", members=members)
 
 
+def answer_turn(
+    engine: Any,
+    conv: dict[str, Any],
+    t: int,
+    messages: list[dict[str, str]],
+    answers: list[str],
+    guard: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    """Turn ``t`` of ``conv`` answered after ``messages`` (its question last), as a record."""
+    question, expected = conv["turns"][t - 1]
+    start = time.perf_counter()
+    result = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=guard)
+    text = result.text
+    others = [m["content"] for m in messages if m["role"] != "assistant"]
+    return {
+        "id": conv["id"], "kind": conv["kind"], "turn": t, "question": question, "expected": expected,
+        "answer": text, "correct": None if expected is None else correct(text, expected),
+        "copy": copied_run(text, answers, others), "guard": guard,
+        "completion_tokens": result.usage.completion_tokens, "seconds": round(time.perf_counter() - start, 3),
+        "rounds": [{"winner": s.winner, "candidates": len(s.candidates), "copied": s.copied,
+                    "winner_index": s.winner_index,
+                    "voted": max(range(len(s.combined)), key=lambda n, s=s: (s.combined[n], -n))}
+                   for s in result.segments],
+    }  # fmt: skip
+
+
 def run_conversation(engine: Any, conv: dict[str, Any], guard: int, max_tokens: int) -> list[dict[str, Any]]:
     messages: list[dict[str, str]] = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
     records = []
     answers: list[str] = []
-    for t, (question, expected) in enumerate(conv["turns"], start=1):
+    for t, (question, _) in enumerate(conv["turns"], start=1):
         messages.append({"role": "user", "content": question})
-        start = time.perf_counter()
-        result = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=guard)
-        text = result.text
-        others = [m["content"] for m in messages if m["role"] != "assistant"]
-        records.append({
-            "id": conv["id"], "kind": conv["kind"], "turn": t, "question": question, "expected": expected,
-            "answer": text, "correct": None if expected is None else correct(text, expected),
-            "copy": copied_run(text, answers, others), "guard": guard,
-            "completion_tokens": result.usage.completion_tokens, "seconds": round(time.perf_counter() - start, 3),
-            "rounds": [{"winner": s.winner, "candidates": len(s.candidates), "copied": s.copied,
-                        "winner_index": s.winner_index,
-                        "voted": max(range(len(s.combined)), key=lambda n, s=s: (s.combined[n], -n))}
-                       for s in result.segments],
-        })  # fmt: skip
-        answers.append(text)
-        messages.append({"role": "assistant", "content": text})
+        records.append(answer_turn(engine, conv, t, messages, answers, guard, max_tokens))
+        answers.append(records[-1]["answer"])
+        messages.append({"role": "assistant", "content": answers[-1]})
     return records
 
 
@@ -332,6 +367,94 @@ def run(config: str, guards: Sequence[int], which: str, limit: int | None, max_t
                     out.write(json.dumps(rec) + "\n")
                 out.flush()
         print(f"{which} {config} guard={guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+def on_path(which: str, member: str, config: str, guard: int) -> Path:
+    return RESULTS / "same_history" / f"{which}_{member}_on_{config}_g{guard}.jsonl"
+
+
+def after_history(
+    convs: Sequence[dict[str, Any]], recs: dict[tuple[str, int], dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any], int, list[dict[str, str]], list[str]]]:
+    """Every follow-up turn of ``convs`` that ``recs`` answered: (conversation, turn, the messages up
+    to its question, the earlier answers), the earlier turns answered as ``recs`` answered them."""
+    for conv in convs:
+        messages: list[dict[str, str]] = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
+        answers: list[str] = []
+        for t, (question, _) in enumerate(conv["turns"], start=1):
+            messages.append({"role": "user", "content": question})
+            theirs = recs.get((conv["id"], t))
+            if theirs is None:
+                break
+            if t > 1:
+                yield conv, t, list(messages), list(answers)
+            answers.append(theirs["answer"])
+            messages.append({"role": "assistant", "content": theirs["answer"]})
+
+
+def done_turns(path: Path) -> set[tuple[str, int]]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return {(r["id"], r["turn"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
+
+
+def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit: int | None, max_tokens: int) -> None:
+    """Every follow-up turn answered by ``member`` alone after each ensemble's *own* earlier answers
+    (its record under ``guard``): would the member, given the very history the ensemble had, copy
+    too? The member runs with ``history_invariant=True``, so its answers do not depend on which
+    ensemble's conversations ran before in the process."""
+    from specem_core import SpecEM
+
+    convs = conversations() if which == "graded" else mtbench()
+    convs = convs[:limit] if limit else convs
+    engine = SpecEM.from_preset(
+        "quality", members=[MEMBERS[member]], backend="llamacpp", member_kwargs={"history_invariant": True}
+    )
+    for config in configs:
+        recs = load(which, config, guard)
+        if not recs:
+            raise SystemExit(f"no record of {config} under --guard {guard} on the {which} set: run it first")
+        path = on_path(which, member, config, guard)
+        done = done_turns(path)
+        started = time.perf_counter()
+        with path.open("a") as out:
+            for conv, t, messages, answers in after_history(convs, recs):
+                if (conv["id"], t) in done:
+                    continue
+                expected = conv["turns"][t - 1][1]
+                text = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=0).text
+                others = [m["content"] for m in messages if m["role"] != "assistant"]
+                out.write(json.dumps({
+                    "id": conv["id"], "turn": t, "member": member, "after": config, "guard": guard,
+                    "answer": text, "correct": None if expected is None else correct(text, expected),
+                    "copy": copied_run(text, answers, others), "ensemble_copy": recs[(conv["id"], t)]["copy"],
+                    "history": answers,
+                }) + "\n")  # fmt: skip
+                out.flush()
+        print(f"{which} {member} on {config} g{guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+def replay(config: str, guard: int, which: str, limit: int | None, max_tokens: int, invariant: bool = False) -> None:
+    """Every follow-up turn answered again by ``config`` after the earlier answers of its archived
+    run (``ARCHIVED``): a change to the engine measured on the very histories it had, free of the
+    first turns that differ between runs (#70's history effect). Records: ``replayed/``, or with
+    ``invariant`` (members with ``history_invariant=True``: no answer depends on what ran before)
+    ``replayed/invariant/``."""
+    convs = conversations() if which == "graded" else mtbench()
+    convs = convs[:limit] if limit else convs
+    recs = load(which, config, guard, ARCHIVED)
+    if not recs:
+        raise SystemExit(f"no archived record of {config} under --guard {guard} on the {which} set")
+    engine = build_engine(config, invariant)
+    path = REPLAYED / ("invariant" if invariant else "") / record_path(which, config, guard).name
+    done = done_turns(path)
+    started = time.perf_counter()
+    with path.open("a") as out:
+        for conv, t, messages, answers in after_history(convs, recs):
+            if (conv["id"], t) not in done:
+                rec = answer_turn(engine, conv, t, messages, answers, guard, max_tokens)
+                out.write(json.dumps({**rec, "history": answers}) + "\n")
+                out.flush()
+    print(f"replayed {which} {config} g{guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
 def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: int) -> str:
@@ -365,18 +488,21 @@ def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: i
 
 
 # -- report --------------------------------------------------------------------------------------
-def load(which: str, config: str, guard: int) -> dict[tuple[str, int], dict[str, Any]]:
+def load(which: str, config: str, guard: int, folder: Path | None = None) -> dict[tuple[str, int], dict[str, Any]]:
     """One run's records by (conversation, turn), their ``copy`` checked again by ``copied_run``
-    (the rule may be newer than the record)."""
-    path = record_path(which, config, guard)
+    (the rule may be newer than the record); ``folder``: where the records are (``RESULTS``)."""
+    path = (folder or RESULTS) / record_path(which, config, guard).name
     if not path.exists():
         return {}
     recs = {(r["id"], r["turn"]): r for r in map(json.loads, path.read_text().splitlines())}
-    systems = {c["id"]: c["system"] for c in (conversations() if which == "graded" else mtbench())}
+    convs = {c["id"]: c for c in (conversations() if which == "graded" else mtbench())}
     for (cid, turn), r in recs.items():
         earlier = [recs[(cid, t)] for t in range(1, turn) if (cid, t) in recs]
-        others = [systems.get(cid) or "", *(e["question"] for e in earlier), r["question"]]
-        r["copy"] = copied_run(r["answer"], [e["answer"] for e in earlier], others)
+        answers, questions = [e["answer"] for e in earlier], [e["question"] for e in earlier]
+        if "history" in r:  # a replayed turn: its earlier answers are the archived run's
+            answers, questions = r["history"], [q for q, _ in convs[cid]["turns"][: turn - 1]]
+        others = [convs[cid].get("system") or "", *questions, r["question"]]
+        r["copy"] = copied_run(r["answer"], answers, others)
     return recs
 
 
@@ -442,6 +568,39 @@ def both_copy(which: str, members: Sequence[str]) -> str:
     return f"{100 * hits / len(keys):.1f}% ({hits}/{len(keys)})"
 
 
+def on_history(which: str, config: str, guard: int, label: str = "", folder: Path = RESULTS) -> str:
+    """A table row: ``config``'s follow-ups that copy, against its members alone on the same
+    history (``alone-on``): how many every member copies too, and how many the ensemble copies
+    where a member alone answered ("" when a member's run is missing). Only the turns whose
+    earlier answers are the ones the members were shown count (a rerun may answer turn 1 otherwise);
+    ``folder``: the ensemble's records (``RESULTS``, ``ARCHIVED`` or ``REPLAYED``)."""
+    members = [m for m in ALONE_OF[config] if m in MEMBERS]
+    runs = [
+        {(r["id"], r["turn"]): r for r in map(json.loads, path.read_text().splitlines())}
+        for path in (on_path(which, m, config, guard) for m in members)
+        if path.exists()
+    ]
+    ours = load(which, config, guard, folder)
+    if len(runs) < len(members) or not ours:
+        return ""
+
+    def same_history(k: tuple[str, int]) -> bool:
+        earlier = ours[k].get("history") or [ours[(k[0], t)]["answer"] for t in range(1, k[1]) if (k[0], t) in ours]
+        return all(r[k].get("history", earlier) == earlier for r in runs)
+
+    keys = [k for k in runs[0] if k in ours and all(k in r for r in runs) and same_history(k)]
+    copies = [k for k in keys if ours[k]["copy"]]
+    every = [k for k in keys if all(r[k]["copy"] for r in runs)]
+    some = [k for k in keys if any(r[k]["copy"] for r in runs)]
+    answered = [k for k in copies if not all(r[k]["copy"] for r in runs)]
+    none = [k for k in copies if not any(r[k]["copy"] for r in runs)]
+    return (
+        f"| {label or config} | {len(copies)} / {len(keys)} | {len(every)} | {len(some)} | {len(answered)} "
+        f"| {len(none)} "
+        f"| {', '.join(f'{cid}' for cid, _ in answered) or '–'} |"
+    )
+
+
 def report() -> str:
     chosen = chosen_guards("graded") if all(guards_run("graded", e) for e in SELECTION) else {0: 0, 1: 0}
     lines = [
@@ -488,6 +647,42 @@ def report() -> str:
             if g and rounds and "voted" in rounds[0]:
                 picked = sum(s["voted"] in s["copied"] for s in rounds)
                 lines.append(f"| {config} | {g} | {len(rounds)} | {picked} |")
+    changed = [c for c in ENSEMBLES if load("graded", c, 5, ARCHIVED) and load("graded", c, 5)]
+    if changed:
+        lines += ["", "Model Exit's stopped drafters draft again when every draft copies (guard at 5): the runs "
+                  "before (`benchmarks/results/archive/followups/`) and after, on all conversations:", "",
+                  "| configuration | follow-ups right, before | after | after against before | copies, before "
+                  "| after | MT-Bench second turns that copy, before | replayed on the same first answers | rerun |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for c in changed:
+            old, new = load("graded", c, 5, ARCHIVED), load("graded", c, 5)
+            mt_old, mt_new = load("mtbench", c, 5, ARCHIVED), load("mtbench", c, 5)
+            mt_replayed = load("mtbench", c, 5, REPLAYED)
+            lines.append(
+                f"| {c} | {rate(old, 'correct', True)} | {rate(new, 'correct', True)} | {paired(new, old)} "
+                f"| {rate(old, 'copy', True)} | {rate(new, 'copy', True)} | {rate(mt_old, 'copy', True)} "
+                f"| {rate(mt_replayed, 'copy', True)} | {rate(mt_new, 'copy', True)} |"
+            )
+    ab = [c for c in ENSEMBLES if load("mtbench", c, 5, REPLAYED / "invariant_before")]
+    if ab:
+        lines += ["", "The same change with members whose answers do not depend on what ran before "
+                  "(`replay --invariant`, the code before it in `replayed/invariant_before/`, after it in "
+                  "`replayed/invariant/`), MT-Bench second turns on the archived first answers:", "",
+                  "| configuration | answers the same | copies before | after | no longer copy | copy now |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for c in ab:
+            old, new = (
+                load("mtbench", c, 5, REPLAYED / "invariant_before"),
+                load("mtbench", c, 5, REPLAYED / "invariant"),
+            )
+            keys = [k for k in old if k in new]
+            fixed = [k[0] for k in keys if old[k]["copy"] and not new[k]["copy"]]
+            made = [k[0] for k in keys if new[k]["copy"] and not old[k]["copy"]]
+            lines.append(
+                f"| {c} | {sum(old[k]['answer'] == new[k]['answer'] for k in keys)} / {len(keys)} "
+                f"| {sum(old[k]['copy'] for k in keys)} | {sum(new[k]['copy'] for k in keys)} "
+                f"| {', '.join(fixed) or '–'} | {', '.join(made) or '–'} |"
+            )
     mt = [(c, g) for c in [*ALONE, *ENSEMBLES] for g in guards_run("mtbench", c)]
     if mt:
         lines += ["", "MT-Bench second turns that copy:", "",
@@ -497,18 +692,39 @@ def report() -> str:
             both = both_copy("mtbench", pair)
             if both:
                 lines.append(f"| {' and '.join(pair)} alone, both | – | {both} |")
+        rows = [
+            row
+            for c in ENSEMBLES
+            for g in sorted({5, *guards_run("mtbench", c)})  # the archived and replayed runs are at 5
+            for row in (
+                on_history("mtbench", c, g, f"{c}, before", ARCHIVED),
+                on_history("mtbench", c, g, f"{c}, replayed", REPLAYED),
+                on_history("mtbench", c, g, c, RESULTS),
+            )
+            if g and row
+        ]
+        if rows:
+            lines += ["", "MT-Bench second turns, each member alone after the ensemble's own first answer "
+                      "(`alone-on`):", "",
+                      "| configuration | second turns that copy | every member alone copies too "
+                      "| some member alone copies | the ensemble copies, a member alone answers "
+                      "| the ensemble copies, no member alone does | which |",
+                      "|---|---|---|---|---|---|---|", *rows]  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", choices=["run", "report", "trace"], default="report")
+    commands = ["run", "report", "trace", "alone-on", "replay"]
+    parser.add_argument("command", nargs="?", choices=commands, default="report")
     parser.add_argument("--config", choices=[*ALONE, *ENSEMBLES])
+    parser.add_argument("--on", nargs="+", default=[], choices=ENSEMBLES, help="alone-on: the ensembles' histories")
     parser.add_argument("--guard", type=int, nargs="+", default=[0])
     parser.add_argument("--set", dest="which", choices=["graded", "mtbench"], default="graded")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--max-tokens", type=int, default=0, help="default: 48 (graded), 64 (mtbench)")
     parser.add_argument("--ids", nargs="+", default=[], help="trace: the conversations (their last turn)")
+    parser.add_argument("--invariant", action="store_true", help="replay: members with history_invariant=True")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     max_tokens = args.max_tokens or (48 if args.which == "graded" else 64)
@@ -522,6 +738,14 @@ def main() -> None:
         if not args.config:
             parser.error("run needs --config")
         run(args.config, args.guard, args.which, args.limit, max_tokens)
+    elif args.command == "replay":
+        if args.config not in ENSEMBLES:
+            parser.error("replay needs --config ENSEMBLE")
+        replay(args.config, args.guard[0], args.which, args.limit, max_tokens, args.invariant)
+    elif args.command == "alone-on":
+        if args.config not in MEMBERS or not args.on:
+            parser.error("alone-on needs --config MEMBER and --on ENSEMBLE ...")
+        alone_on(args.config, args.on, args.guard[0], args.which, args.limit, max_tokens)
     elif args.command == "trace":
         if not args.config or not args.ids:
             parser.error("trace needs --config and --ids")

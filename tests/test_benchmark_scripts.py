@@ -43,6 +43,7 @@ MODES: dict[str, list[str]] = {
     "memory.py": ["--members smollm2 --max-new-tokens 4 --concurrent 1 --out {tmp}/out.json"],
     "multiturn.py": ["--smoke --out {tmp}/out.json"],
     "multiturn_servers.py": ["--smoke --out {tmp}/out.json"],
+    "server_logprob_cost.py": ["--smoke"],
     "quality.py": ["run humaneval --configs smollm2 --limit 1", "report"],
     "same_answers.py": [
         "--smoke --out {tmp}/out.json",
