@@ -56,9 +56,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK = 32
 """vLLM's --block-size here: a request reads its prompt from the prefix cache in whole blocks (the
 CPU build's attention takes multiples of 32; its default is 128, GPUs' 16)."""
-PATH_TOLERANCE = 0.05
+PATH_TOLERANCE = 0.1
 """next_token against echo on the fixed rounds: one position computed after cached blocks against
-a whole prefill, in bfloat16 (measured within 0.01 on the 0.5B); a misplaced token is off by nats."""
+a whole prefill, in bfloat16 (mostly within 0.01 on the 0.5B; once 0.053 on a mean log-prob near
+−7.7, where bfloat16's spacing is 0.031, in a full run on an AVX-512 CPU); a misplaced token is off
+by nats."""
 
 
 @pytest.fixture(scope="module")
