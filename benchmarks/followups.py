@@ -402,13 +402,9 @@ def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit:
     (its record under ``guard``): would the member, given the very history the ensemble had, copy
     too? The member runs with ``history_invariant=True``, so its answers do not depend on which
     ensemble's conversations ran before in the process."""
-    from specem_core import SpecEM
-
     convs = conversations() if which == "graded" else mtbench()
     convs = convs[:limit] if limit else convs
-    engine = SpecEM.from_preset(
-        "quality", members=[MEMBERS[member]], backend="llamacpp", member_kwargs={"history_invariant": True}
-    )
+    engine = build_engine(member, invariant=True)
     for config in configs:
         recs = load(which, config, guard)
         if not recs:
