@@ -659,23 +659,27 @@ def report() -> str:
                 f"| {rate(old, 'copy', True)} | {rate(new, 'copy', True)} | {rate(mt_old, 'copy', True)} "
                 f"| {rate(mt_replayed, 'copy', True)} | {rate(mt_new, 'copy', True)} |"
             )
-    ab = [c for c in ENSEMBLES if load("mtbench", c, 5, REPLAYED / "invariant_before")]
+    ab = [(w, c) for w in ("mtbench", "graded") for c in ENSEMBLES if load(w, c, 5, REPLAYED / "invariant_before")]
     if ab:
         lines += ["", "The same change with members whose answers do not depend on what ran before "
                   "(`replay --invariant`, the code before it in `replayed/invariant_before/`, after it in "
-                  "`replayed/invariant/`), MT-Bench second turns on the archived first answers:", "",
-                  "| configuration | answers the same | copies before | after | no longer copy | copy now |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for c in ab:
+                  "`replayed/invariant/`), follow-ups on the archived earlier answers:", "",
+                  "| set | configuration | answers the same | right before | after | copies before | after "
+                  "| no longer copy | copy now |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for which, c in ab:
             old, new = (
-                load("mtbench", c, 5, REPLAYED / "invariant_before"),
-                load("mtbench", c, 5, REPLAYED / "invariant"),
+                load(which, c, 5, REPLAYED / "invariant_before"),
+                load(which, c, 5, REPLAYED / "invariant"),
             )
             keys = [k for k in old if k in new]
-            fixed = [k[0] for k in keys if old[k]["copy"] and not new[k]["copy"]]
-            made = [k[0] for k in keys if new[k]["copy"] and not old[k]["copy"]]
+            fixed = [f"{k[0]}:{k[1]}" for k in keys if old[k]["copy"] and not new[k]["copy"]]
+            made = [f"{k[0]}:{k[1]}" for k in keys if new[k]["copy"] and not old[k]["copy"]]
+            graded = which == "graded"
             lines.append(
-                f"| {c} | {sum(old[k]['answer'] == new[k]['answer'] for k in keys)} / {len(keys)} "
+                f"| {which} | {c} | {sum(old[k]['answer'] == new[k]['answer'] for k in keys)} / {len(keys)} "
+                f"| {sum(bool(old[k]['correct']) for k in keys) if graded else '–'} "
+                f"| {sum(bool(new[k]['correct']) for k in keys) if graded else '–'} "
                 f"| {sum(old[k]['copy'] for k in keys)} | {sum(new[k]['copy'] for k in keys)} "
                 f"| {', '.join(fixed) or '–'} | {', '.join(made) or '–'} |"
             )
