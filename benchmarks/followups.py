@@ -416,14 +416,10 @@ def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit:
             for conv, t, messages, answers in after_history(convs, recs):
                 if (conv["id"], t) in done:
                     continue
-                expected = conv["turns"][t - 1][1]
-                text = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=0).text
-                others = [m["content"] for m in messages if m["role"] != "assistant"]
+                rec = answer_turn(engine, conv, t, messages, answers, 0, max_tokens)  # a member alone: no guard
                 out.write(json.dumps({
-                    "id": conv["id"], "turn": t, "member": member, "after": config, "guard": guard,
-                    "answer": text, "correct": None if expected is None else correct(text, expected),
-                    "copy": copied_run(text, answers, others), "ensemble_copy": recs[(conv["id"], t)]["copy"],
-                    "history": answers,
+                    **rec, "member": member, "after": config, "guard": guard,
+                    "ensemble_copy": recs[(conv["id"], t)]["copy"], "history": answers,
                 }) + "\n")  # fmt: skip
                 out.flush()
         print(f"{which} {member} on {config} g{guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -643,15 +639,15 @@ def report() -> str:
             if g and rounds and "voted" in rounds[0]:
                 picked = sum(s["voted"] in s["copied"] for s in rounds)
                 lines.append(f"| {config} | {g} | {len(rounds)} | {picked} |")
-    changed = [c for c in ENSEMBLES if load("graded", c, 5, ARCHIVED) and load("graded", c, 5)]
+    archived = {c: (load("graded", c, 5, ARCHIVED), load("graded", c, 5)) for c in ENSEMBLES}
+    changed = {c: runs for c, runs in archived.items() if all(runs)}
     if changed:
         lines += ["", "Model Exit's stopped drafters draft again when every draft copies (guard at 5): the runs "
                   "before (`benchmarks/results/archive/followups/`) and after, on all conversations:", "",
                   "| configuration | follow-ups right, before | after | after against before | copies, before "
                   "| after | MT-Bench second turns that copy, before | replayed on the same first answers | rerun |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for c in changed:
-            old, new = load("graded", c, 5, ARCHIVED), load("graded", c, 5)
+        for c, (old, new) in changed.items():
             mt_old, mt_new = load("mtbench", c, 5, ARCHIVED), load("mtbench", c, 5)
             mt_replayed = load("mtbench", c, 5, REPLAYED)
             lines.append(
@@ -659,7 +655,8 @@ def report() -> str:
                 f"| {rate(old, 'copy', True)} | {rate(new, 'copy', True)} | {rate(mt_old, 'copy', True)} "
                 f"| {rate(mt_replayed, 'copy', True)} | {rate(mt_new, 'copy', True)} |"
             )
-    ab = [(w, c) for w in ("mtbench", "graded") for c in ENSEMBLES if load(w, c, 5, REPLAYED / "invariant_before")]
+    before = {(w, c): load(w, c, 5, REPLAYED / "invariant_before") for w in ("mtbench", "graded") for c in ENSEMBLES}
+    ab = {key: old for key, old in before.items() if old}
     if ab:
         lines += ["", "The same change with members whose answers do not depend on what ran before "
                   "(`replay --invariant`, the code before it in `replayed/invariant_before/`, after it in "
@@ -667,11 +664,8 @@ def report() -> str:
                   "| set | configuration | answers the same | right before | after | copies before | after "
                   "| no longer copy | copy now |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for which, c in ab:
-            old, new = (
-                load(which, c, 5, REPLAYED / "invariant_before"),
-                load(which, c, 5, REPLAYED / "invariant"),
-            )
+        for (which, c), old in ab.items():
+            new = load(which, c, 5, REPLAYED / "invariant")
             keys = [k for k in old if k in new]
             fixed = [f"{k[0]}:{k[1]}" for k in keys if old[k]["copy"] and not new[k]["copy"]]
             made = [f"{k[0]}:{k[1]}" for k in keys if new[k]["copy"] and not old[k]["copy"]]
