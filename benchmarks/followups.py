@@ -45,7 +45,9 @@ most follow-up answers right over the ``SELECTION`` ensembles; ties: the smaller
 run after that choice, is held out whole.
 
 Records: ``benchmarks/results/followups/<set>_<config>_g<guard>.jsonl`` (one line per turn, with
-the answer, the grade, the copy check and each round's winner and copied candidates).
+the answer, the grade, the copy check and each round's winner, copied candidates, and
+``copy_break``'s cut and avoided words). ``--guard N`` runs ``copy_guard_words=N`` with ``copy_break``
+off (the guard as it was before ``copy_break``), ``--guard Nb`` with it on.
 
 **The same history** (``alone-on``): each member alone answers every follow-up after an ensemble's
 own earlier answers (its record), so that an ensemble's copy can be told apart from one its members
@@ -313,13 +315,13 @@ def answer_turn(
     t: int,
     messages: list[dict[str, str]],
     answers: list[str],
-    guard: int,
+    guard: str,
     max_tokens: int,
 ) -> dict[str, Any]:
     """Turn ``t`` of ``conv`` answered after ``messages`` (its question last), as a record."""
     question, expected = conv["turns"][t - 1]
     start = time.perf_counter()
-    result = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=guard)
+    result = engine.generate(messages, max_new_tokens=max_tokens, **guard_options(guard))
     text = result.text
     others = [m["content"] for m in messages if m["role"] != "assistant"]
     return {
@@ -328,13 +330,13 @@ def answer_turn(
         "copy": copied_run(text, answers, others), "guard": guard,
         "completion_tokens": result.usage.completion_tokens, "seconds": round(time.perf_counter() - start, 3),
         "rounds": [{"winner": s.winner, "candidates": len(s.candidates), "copied": s.copied,
-                    "winner_index": s.winner_index,
+                    "winner_index": s.winner_index, "cut_before": s.cut_before, "avoided": s.avoided,
                     "voted": max(range(len(s.combined)), key=lambda n, s=s: (s.combined[n], -n))}
                    for s in result.segments],
     }  # fmt: skip
 
 
-def run_conversation(engine: Any, conv: dict[str, Any], guard: int, max_tokens: int) -> list[dict[str, Any]]:
+def run_conversation(engine: Any, conv: dict[str, Any], guard: str, max_tokens: int) -> list[dict[str, Any]]:
     messages: list[dict[str, str]] = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
     records = []
     answers: list[str] = []
@@ -346,16 +348,31 @@ def run_conversation(engine: Any, conv: dict[str, Any], guard: int, max_tokens: 
     return records
 
 
-def record_path(which: str, config: str, guard: int) -> Path:
+def guard_options(setting: str) -> dict[str, Any]:
+    """The engine options of a guard setting: ``N`` is ``copy_guard_words=N`` with ``copy_break``
+    off (what the guard was before it existed), ``Nb`` the same with ``copy_break`` on."""
+    if not re.fullmatch(r"\d+b?", setting):
+        raise SystemExit(f"--guard {setting}: a number of words, with b for copy_break (5, 5b)")
+    return {"copy_guard_words": int(setting.rstrip("b")), "copy_break": setting.endswith("b")}
+
+
+def change(setting: str) -> tuple[bool, bool, int]:
+    """Settings from the smallest change to the paper's vote to the largest (ties of the
+    out-of-fold choice go to the first): off, then longer runs, then with ``copy_break``."""
+    words = guard_options(setting)["copy_guard_words"]
+    return words != 0, setting.endswith("b"), -words
+
+
+def record_path(which: str, config: str, guard: str) -> Path:
     return RESULTS / f"{which}_{config}_g{guard}.jsonl"
 
 
-def run(config: str, guards: Sequence[int], which: str, limit: int | None, max_tokens: int) -> None:
+def run(config: str, guards: Sequence[str], which: str, limit: int | None, max_tokens: int) -> None:
     convs = conversations() if which == "graded" else mtbench()
     convs = convs[:limit] if limit else convs
     engine = build_engine(config)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for guard in [0] if config in ALONE else guards:
+    for guard in ["0"] if config in ALONE else guards:
         path = record_path(which, config, guard)
         done = {json.loads(line)["id"] for line in path.read_text().splitlines()} if path.exists() else set()
         started = time.perf_counter()
@@ -369,7 +386,7 @@ def run(config: str, guards: Sequence[int], which: str, limit: int | None, max_t
         print(f"{which} {config} guard={guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def on_path(which: str, member: str, config: str, guard: int) -> Path:
+def on_path(which: str, member: str, config: str, guard: str) -> Path:
     return RESULTS / "same_history" / f"{which}_{member}_on_{config}_g{guard}.jsonl"
 
 
@@ -397,7 +414,7 @@ def done_turns(path: Path) -> set[tuple[str, int]]:
     return {(r["id"], r["turn"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
 
 
-def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit: int | None, max_tokens: int) -> None:
+def alone_on(member: str, configs: Sequence[str], guard: str, which: str, limit: int | None, max_tokens: int) -> None:
     """Every follow-up turn answered by ``member`` alone after each ensemble's *own* earlier answers
     (its record under ``guard``): would the member, given the very history the ensemble had, copy
     too? The member runs with ``history_invariant=True``, so its answers do not depend on which
@@ -416,7 +433,7 @@ def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit:
             for conv, t, messages, answers in after_history(convs, recs):
                 if (conv["id"], t) in done:
                     continue
-                rec = answer_turn(engine, conv, t, messages, answers, 0, max_tokens)  # a member alone: no guard
+                rec = answer_turn(engine, conv, t, messages, answers, "0", max_tokens)  # a member alone: no guard
                 out.write(json.dumps({
                     **rec, "member": member, "after": config, "guard": guard,
                     "ensemble_copy": recs[(conv["id"], t)]["copy"], "history": answers,
@@ -425,7 +442,7 @@ def alone_on(member: str, configs: Sequence[str], guard: int, which: str, limit:
         print(f"{which} {member} on {config} g{guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def replay(config: str, guard: int, which: str, limit: int | None, max_tokens: int, invariant: bool = False) -> None:
+def replay(config: str, guard: str, which: str, limit: int | None, max_tokens: int, invariant: bool = False) -> None:
     """Every follow-up turn answered again by ``config`` after the earlier answers of its archived
     run (``ARCHIVED``): a change to the engine measured on the very histories it had, free of the
     first turns that differ between runs (#70's history effect). Records: ``replayed/``, or with
@@ -449,7 +466,7 @@ def replay(config: str, guard: int, which: str, limit: int | None, max_tokens: i
     print(f"replayed {which} {config} g{guard}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
-def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: int) -> str:
+def trace(config: str, which: str, guard: str, ids: Sequence[str], max_tokens: int) -> str:
     """Each listed conversation's last turn again, after the earlier turns as ``config`` answered
     them under ``guard`` (its record): every round's candidates, whether each one copies (at
     ``guard`` words) and the winner, and whether the answer copies (12 words)."""
@@ -467,12 +484,16 @@ def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: i
             answers.append(recs[(cid, t)]["answer"])
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answers[-1]}]
         messages.append({"role": "user", "content": conv["turns"][-1][0]})
-        result = engine.generate(messages, max_new_tokens=max_tokens, copy_guard_words=guard)
+        result = engine.generate(messages, max_new_tokens=max_tokens, **guard_options(guard))
         others = [m["content"] for m in messages if m["role"] != "assistant"]
         lines.append(f"== {cid} turn {len(conv['turns'])}: copies {copied_run(result.text, answers, others)}")
-        guard_rule, text = CopyGuard(messages, guard or 5), ""
+        guard_rule, text = CopyGuard(messages, guard_options(guard)["copy_guard_words"] or 5), ""
         for seg in result.segments:
-            lines.append(f"  round {seg.index}: winner {seg.winner_index}, the guard flagged {seg.copied}")
+            lines.append(
+                f"  round {seg.index}: winner {seg.winner_index}, the guard flagged {seg.copied}"
+                + (f", drafts avoided {seg.avoided}" if seg.avoided else "")
+                + (f", cut before {seg.cut_before!r}: {seg.text!r}" if seg.cut_before else "")
+            )
             for n, cand in enumerate(seg.candidates):
                 lines.append(f"    [{n}] {cand.member}: copies={guard_rule.copies(text, cand.text)} {cand.text!r}")
             text += seg.text
@@ -480,7 +501,7 @@ def trace(config: str, which: str, guard: int, ids: Sequence[str], max_tokens: i
 
 
 # -- report --------------------------------------------------------------------------------------
-def load(which: str, config: str, guard: int, folder: Path | None = None) -> dict[tuple[str, int], dict[str, Any]]:
+def load(which: str, config: str, guard: str, folder: Path | None = None) -> dict[tuple[str, int], dict[str, Any]]:
     """One run's records by (conversation, turn), their ``copy`` checked again by ``copied_run``
     (the rule may be newer than the record); ``folder``: where the records are (``RESULTS``)."""
     path = (folder or RESULTS) / record_path(which, config, guard).name
@@ -498,35 +519,35 @@ def load(which: str, config: str, guard: int, folder: Path | None = None) -> dic
     return recs
 
 
-def guards_run(which: str, config: str) -> list[int]:
-    return sorted(int(p.stem.rsplit("_g", 1)[1]) for p in RESULTS.glob(f"{which}_{config}_g*.jsonl"))
+def guards_run(which: str, config: str) -> list[str]:
+    return sorted((p.stem.rsplit("_g", 1)[1] for p in RESULTS.glob(f"{which}_{config}_g*.jsonl")), key=change)
 
 
 def fold_of(conv_id: str) -> int:
     return int(conv_id.rsplit("-", 1)[1]) % 2
 
 
-def chosen_guards(which: str = "graded") -> dict[int, int]:
+def chosen_guards(which: str = "graded") -> dict[int, str]:
     """Per fold, the guard setting the other fold supports: the most follow-up answers right over
     every ensemble that ran it (ties: the smaller change, i.e. off, then the longer run)."""
     common = set.intersection(*(set(guards_run(which, e)) for e in SELECTION if guards_run(which, e)))
     out = {}
     for fold in (0, 1):
 
-        def right(guard: int, fold: int = fold) -> int:
+        def right(guard: str, fold: int = fold) -> int:
             total = 0
             for ens in SELECTION:
                 recs = load(which, ens, guard)
                 total += sum(bool(r["correct"]) for (cid, t), r in recs.items() if t > 1 and fold_of(cid) != fold)
             return total
 
-        out[fold] = max(sorted(common, key=lambda g: (g != 0, -g)), key=right)
+        out[fold] = max(sorted(common, key=change), key=right)
     return out
 
 
-def out_of_fold(which: str, config: str, chosen: dict[int, int]) -> dict[tuple[str, int], dict[str, Any]]:
+def out_of_fold(which: str, config: str, chosen: dict[int, str]) -> dict[tuple[str, int], dict[str, Any]]:
     if config in ALONE:
-        return load(which, config, 0)
+        return load(which, config, "0")
     per_guard = {g: load(which, config, g) for g in set(chosen.values())}
     return {key: r for g, recs in per_guard.items() for key, r in recs.items() if chosen[fold_of(key[0])] == g}
 
@@ -552,7 +573,7 @@ def rate(recs: dict[tuple[str, int], dict[str, Any]], key: str, followups: bool 
 
 def both_copy(which: str, members: Sequence[str]) -> str:
     """How many follow-ups every one of ``members`` copies alone ("" when one did not run)."""
-    runs = [load(which, m, 0) for m in members]
+    runs = [load(which, m, "0") for m in members]
     if not all(runs):
         return ""
     keys = [k for k in runs[0] if k[1] > 1 and all(k in r for r in runs)]
@@ -560,7 +581,7 @@ def both_copy(which: str, members: Sequence[str]) -> str:
     return f"{100 * hits / len(keys):.1f}% ({hits}/{len(keys)})"
 
 
-def on_history(which: str, config: str, guard: int, label: str = "", folder: Path = RESULTS) -> str:
+def on_history(which: str, config: str, guard: str, label: str = "", folder: Path = RESULTS) -> str:
     """A table row: ``config``'s follow-ups that copy, against its members alone on the same
     history (``alone-on``): how many every member copies too, and how many the ensemble copies
     where a member alone answered ("" when a member's run is missing). Only the turns whose
@@ -593,17 +614,34 @@ def on_history(which: str, config: str, guard: int, label: str = "", folder: Pat
     )
 
 
+def copy_break_acts(recs: dict[tuple[str, int], dict[str, Any]], followups: bool = True) -> str:
+    """``copy_break`` in a run's records: rounds cut, rounds drafted again (an avoided word that was
+    not the last round's cut), turns it acted on; "–" for runs without it."""
+    turns = [r for (_, t), r in recs.items() if (t > 1) == followups]
+    if not any("cut_before" in s for r in turns for s in r["rounds"]):
+        return "– | – | –"
+    cut = sum(bool(s["cut_before"]) for r in turns for s in r["rounds"])
+    redrafted = 0
+    for r in turns:
+        carried = False  # the round's first avoided word is the last round's cut
+        for s in r["rounds"]:
+            redrafted += len(s["avoided"]) - carried
+            carried = bool(s["cut_before"])
+    acted = sum(any(s["cut_before"] or s["avoided"] for s in r["rounds"]) for r in turns)
+    return f"{cut} | {redrafted} | {acted}"
+
+
 def report() -> str:
-    chosen = chosen_guards("graded") if all(guards_run("graded", e) for e in SELECTION) else {0: 0, 1: 0}
+    chosen = chosen_guards("graded") if all(guards_run("graded", e) for e in SELECTION) else {0: "0", 1: "0"}
     lines = [
-        f"Guard chosen out of fold: fold 0 reported under copy_guard_words={chosen[0]} (chosen on fold 1), "
-        f"fold 1 under {chosen[1]} (chosen on fold 0).",
+        f"Guard chosen out of fold: fold 0 reported under --guard {chosen[0]} (chosen on fold 1), "
+        f"fold 1 under {chosen[1]} (chosen on fold 0). --guard N: copy_guard_words=N; Nb: and copy_break.",
         "",
         "| configuration | first turns right | follow-ups right | follow-ups that copy "
         "| vs best member on follow-ups | vs the guard off on follow-ups |",
         "|---|---|---|---|---|---|",
     ]
-    alone = {m: load("graded", m, 0) for m in ALONE}
+    alone = {m: load("graded", m, "0") for m in ALONE}
     for config in [*ALONE, *ENSEMBLES]:
         recs = out_of_fold("graded", config, chosen) if config in ENSEMBLES else alone[config]
         if not recs:
@@ -612,7 +650,7 @@ def report() -> str:
         if config in ENSEMBLES:
             best = max(ALONE_OF[config], key=lambda m: sum(bool(r["correct"]) for k, r in alone[m].items() if k[1] > 1))
             versus = f"{best}: " + paired(recs, alone[best]) if alone[best] else ""
-            unguarded = load("graded", config, 0)
+            unguarded = load("graded", config, "0")
             off = paired(recs, unguarded) if unguarded else ""
         lines.append(
             f"| {config} | {rate(recs, 'correct', False)} | {rate(recs, 'correct', True)} "
@@ -622,24 +660,28 @@ def report() -> str:
     if both:
         lines += ["", f"Follow-ups on which the 0.5B and SmolLM2 alone both copy: {both}."]
     lines += ["", "Every setting run, on all conversations (in fold and out):", "",
-              "| configuration | copy_guard_words | follow-ups right | follow-ups that copy |",
+              "| configuration | --guard | follow-ups right | follow-ups that copy |",
               "|---|---|---|---|"]  # fmt: skip
     for config in ENSEMBLES:
         for g in guards_run("graded", config):
             recs = load("graded", config, g)
             lines.append(f"| {config} | {g} | {rate(recs, 'correct', True)} | {rate(recs, 'copy', True)} |")
     lines += ["", "The guard at work (every run with it on, graded set): rounds in which some candidates copied "
-              "and others did not, and in how many of them the vote itself picked a copy (the guard overrode it):",
-              "", "| configuration | copy_guard_words | rounds with a copy and an answer | the vote picked the copy |",
-              "|---|---|---|---|"]  # fmt: skip
+              "and others did not, and in how many of them the vote itself picked a copy (the guard overrode it); "
+              "with `copy_break` (Nb), the rounds where every candidate copied and the winner was cut, the rounds "
+              "drafted again, and the follow-ups where it acted:",
+              "", "| configuration | --guard | rounds with a copy and an answer | the vote picked the copy "
+              "| rounds cut | rounds drafted again | follow-ups it acted on |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for config in ENSEMBLES:
         for g in guards_run("graded", config):
-            rounds = [s for r in load("graded", config, g).values() for s in r["rounds"] if s["copied"]]
+            recs = load("graded", config, g)
+            rounds = [s for r in recs.values() for s in r["rounds"] if s["copied"]]
             rounds = [s for s in rounds if len(s["copied"]) < s["candidates"]]  # a lone copying draft: no choice
-            if g and rounds and "voted" in rounds[0]:
+            if g != "0" and ((rounds and "voted" in rounds[0]) or g.endswith("b")):
                 picked = sum(s["voted"] in s["copied"] for s in rounds)
-                lines.append(f"| {config} | {g} | {len(rounds)} | {picked} |")
-    archived = {c: (load("graded", c, 5, ARCHIVED), load("graded", c, 5)) for c in ENSEMBLES}
+                lines.append(f"| {config} | {g} | {len(rounds)} | {picked} | {copy_break_acts(recs)} |")
+    archived = {c: (load("graded", c, "5", ARCHIVED), load("graded", c, "5")) for c in ENSEMBLES}
     changed = {c: runs for c, runs in archived.items() if all(runs)}
     if changed:
         lines += ["", "Model Exit's stopped drafters draft again when every draft copies (guard at 5): the runs "
@@ -648,14 +690,14 @@ def report() -> str:
                   "| after | MT-Bench second turns that copy, before | replayed on the same first answers | rerun |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for c, (old, new) in changed.items():
-            mt_old, mt_new = load("mtbench", c, 5, ARCHIVED), load("mtbench", c, 5)
-            mt_replayed = load("mtbench", c, 5, REPLAYED)
+            mt_old, mt_new = load("mtbench", c, "5", ARCHIVED), load("mtbench", c, "5")
+            mt_replayed = load("mtbench", c, "5", REPLAYED)
             lines.append(
                 f"| {c} | {rate(old, 'correct', True)} | {rate(new, 'correct', True)} | {paired(new, old)} "
                 f"| {rate(old, 'copy', True)} | {rate(new, 'copy', True)} | {rate(mt_old, 'copy', True)} "
                 f"| {rate(mt_replayed, 'copy', True)} | {rate(mt_new, 'copy', True)} |"
             )
-    before = {(w, c): load(w, c, 5, REPLAYED / "invariant_before") for w in ("mtbench", "graded") for c in ENSEMBLES}
+    before = {(w, c): load(w, c, "5", REPLAYED / "invariant_before") for w in ("mtbench", "graded") for c in ENSEMBLES}
     ab = {key: old for key, old in before.items() if old}
     if ab:
         lines += ["", "The same change with members whose answers do not depend on what ran before "
@@ -665,7 +707,7 @@ def report() -> str:
                   "| no longer copy | copy now |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for (which, c), old in ab.items():
-            new = load(which, c, 5, REPLAYED / "invariant")
+            new = load(which, c, "5", REPLAYED / "invariant")
             keys = [k for k in old if k in new]
             fixed = [f"{k[0]}:{k[1]}" for k in keys if old[k]["copy"] and not new[k]["copy"]]
             made = [f"{k[0]}:{k[1]}" for k in keys if new[k]["copy"] and not old[k]["copy"]]
@@ -680,7 +722,7 @@ def report() -> str:
     mt = [(c, g) for c in [*ALONE, *ENSEMBLES] for g in guards_run("mtbench", c)]
     if mt:
         lines += ["", "MT-Bench second turns that copy:", "",
-                  "| configuration | copy_guard_words | second turns that copy |", "|---|---|---|"]  # fmt: skip
+                  "| configuration | --guard | second turns that copy |", "|---|---|---|"]  # fmt: skip
         lines += [f"| {c} | {g} | {rate(load('mtbench', c, g), 'copy', True)} |" for c, g in mt]
         for pair in (("1.5b", "0.5b"), ("0.5b", "smol")):
             both = both_copy("mtbench", pair)
@@ -689,7 +731,7 @@ def report() -> str:
         rows = [
             row
             for c in ENSEMBLES
-            for g in sorted({5, *guards_run("mtbench", c)})  # the archived and replayed runs are at 5
+            for g in sorted({"5", *guards_run("mtbench", c)}, key=change)  # the archived and replayed runs are at 5
             for row in (
                 on_history("mtbench", c, g, f"{c}, before", ARCHIVED),
                 on_history("mtbench", c, g, f"{c}, replayed", REPLAYED),
@@ -713,7 +755,7 @@ def main() -> None:
     parser.add_argument("command", nargs="?", choices=commands, default="report")
     parser.add_argument("--config", choices=[*ALONE, *ENSEMBLES])
     parser.add_argument("--on", nargs="+", default=[], choices=ENSEMBLES, help="alone-on: the ensembles' histories")
-    parser.add_argument("--guard", type=int, nargs="+", default=[0])
+    parser.add_argument("--guard", nargs="+", default=["0"], help="N: copy_guard_words=N; Nb: and copy_break")
     parser.add_argument("--set", dest="which", choices=["graded", "mtbench"], default="graded")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--max-tokens", type=int, default=0, help="default: 48 (graded), 64 (mtbench)")
@@ -725,7 +767,7 @@ def main() -> None:
     if args.smoke:
         engine = build_engine("smol")
         for conv in conversations(2):
-            for rec in run_conversation(engine, conv, 0, 16):
+            for rec in run_conversation(engine, conv, "0", 16):
                 print(json.dumps({k: rec[k] for k in ("id", "turn", "answer", "correct", "copy")}))
         return
     if args.command == "run":

@@ -49,6 +49,7 @@ _PAPER_RULES: dict[str, Any] = {
     "unanimous_tool_calls": False,
     "segment_boundary": "tokens",
     "copy_guard_words": 0,
+    "copy_break": False,
 }
 """What ``reproduce_paper=True`` forces: the authors' decisions."""
 
@@ -143,6 +144,10 @@ class SpecEMConfig(StudyOptions):
     """A candidate that makes the answer repeat a run of this many words of an earlier assistant
     turn (a run no other message holds) wins only when every candidate does; 0 turns the guard off
     (:mod:`specem_core.copies`; the value was chosen out of fold: docs/reports/quality.md, "Follow-ups")."""
+    copy_break: bool = True
+    """When every candidate copies (``copy_guard_words``), in prose, commit the winner only up to
+    the word that completes the copy and have the next drafts start with another word
+    (:mod:`specem_core.copies`; measured: docs/reports/quality.md, "Follow-ups")."""
     reuse_other_drafts: bool = True
     """Members on one device draft in turn and continue from earlier candidates where their own
     pick agrees (speculative drafting: less work, the same drafts up to the kernels' numerics)."""

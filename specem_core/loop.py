@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specem_core.backends.base import (
@@ -51,7 +51,7 @@ from specem_core.backends.base import (
 )
 from specem_core.candidates import constrain, to_line_end
 from specem_core.config import SpecEMConfig
-from specem_core.copies import CopyGuard
+from specem_core.copies import CopyGuard, in_code_or_math
 from specem_core.errors import MemberError
 from specem_core.member_calls import MemberCalls
 from specem_core.observers import MemberObserver
@@ -76,6 +76,9 @@ from specem_core.types import (
 from specem_core.vote import Vote, distinct, row_values, score_rows, tally
 from specem_core.weights import MemberWeights
 
+COPY_REDRAFTS = 2
+"""How many times a round is drafted again because its winner copies from its first word
+(``copy_break``); after that the vote stands."""
 LONE_SEGMENT_GROWTH = 4
 """How long a lone member's segments grow, in ``segment_len``: doubling from one up to this many
 (10, 20, 40, 40, … tokens by default), so a chunk of a streamed answer stays short."""
@@ -142,6 +145,8 @@ class Run:
         check_trusted_member(self.members, config.trusted_member)
         self.copy_guard = CopyGuard(messages, config.copy_guard_words)
         """Which candidates repeat an earlier answer (``copy_guard_words``)."""
+        self.avoid: tuple[str, ...] = ()
+        """Words this round's drafts may not start with (``copy_break``)."""
         self.trust = TrustedMember(None, config, tools=bool(self.tools))
         """The trusted member, chosen once the verifier weights are known (:meth:`events`)."""
         self.trusted: Trusted | None = None
@@ -232,6 +237,7 @@ class Run:
         drafts = self.draft(drafting, max_tokens, k)
         owners, candidates = self.candidates(drafting, drafts)
         if not candidates:
+            self.avoid = ()
             return None
         verifiers, raw, normalized = self.verify(candidates, k)
         weights = {i: w for i, w in weights.items() if i in self.sessions}
@@ -241,13 +247,19 @@ class Run:
             winner = self.trust.veto(winner, owners, verifiers, candidates, raw)
         copied = self.copied(candidates)
         winner = self.copy_guard.pick(winner, vote.combined, copied)
+        avoided, cut = self.avoid, self.copy_cut(candidates[winner], copied)
+        if cut is not None and cut[0] == 0 and len(avoided) < COPY_REDRAFTS:
+            self.avoid = (*avoided, cut[1])  # the winner copies from its first word: draft the round again
+            return self.round(k, max_tokens, weights, exit_rule)
+        self.avoid = (cut[1],) if cut is not None and cut[0] > 0 else ()  # for the next round's drafts
         if exit_rule is not None and drafting.solo is None:  # an unvoted round is no evidence for exit
             combined = {owners[n]: vote.combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
             self.exited.update(exit_rule.update(k, drafting.members, combined, texts))
+        kept = candidates[winner].text[: cut[0]] if cut is not None and cut[0] > 0 else candidates[winner].text
         segment = Segment(
             index=k,
-            text=candidates[winner].text,
+            text=kept,
             winner=candidates[winner].member,
             winner_index=winner,
             candidates=candidates,
@@ -260,14 +272,30 @@ class Run:
             rewards=vote.rewards,
             learning_rate=vote.learning_rate,
             copied=copied,
+            avoided=list(avoided),
+            cut_before=self.avoid[0] if self.avoid else "",
         )
-        return segment, vote.weights, candidates[winner].ended
+        return segment, vote.weights, candidates[winner].ended and not self.avoid
+
+    def copy_cut(self, winner: Candidate, copied: Sequence[int]) -> tuple[int, str] | None:
+        """Where the winner starts to copy an earlier answer, when every candidate copies, in prose
+        (not inside code or math), and ``copy_break`` is on: the length of its head that copies
+        nothing yet, and the word that completes the copy."""
+        if not self.config.copy_break or len(self.members) < 2 or copied or not self.guarded([winner]):
+            return None
+        cut = self.copy_guard.cut(self.text, winner.text)
+        return None if cut is None or in_code_or_math(self.text + winner.text[: cut[0]]) else cut
+
+    def guarded(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether the copy guard looks at this round: there are earlier answers to copy, and no
+        candidate is in a tool call (an agent may rightly call again)."""
+        in_call = (call_in_progress(self.text + c.text) or opens_call(self.text + c.text) for c in candidates)
+        return self.copy_guard.active and not (self.tools and any(in_call))
 
     def copied(self, candidates: Sequence[Candidate]) -> list[int]:
         """The candidates that repeat an earlier answer (``copy_guard_words``; a lone candidate
         that does is listed too). Tool calls are not guarded: an agent may rightly call again."""
-        in_call = (call_in_progress(self.text + c.text) or opens_call(self.text + c.text) for c in candidates)
-        if not self.copy_guard.active or (self.tools and any(in_call)):
+        if not self.guarded(candidates):
             return []
         if len(candidates) == 1:
             return [0] if self.copy_guard.copies(self.text, candidates[0].text) else []
@@ -332,14 +360,15 @@ class Run:
         (``reuse_other_drafts``); otherwise they draft concurrently, without them."""
         cfg = self.config
         members = self.members
+        sampling = replace(self.sampling, avoid_words=self.avoid) if self.avoid else self.sampling
         if not cfg.reuse_other_drafts or len(drafting) < 2 or self.calls.pool.concurrent(drafting):
-            return self.calls.call("draft", drafting, lambda i: self.sessions[i].draft(max_tokens, self.sampling), k)
+            return self.calls.call("draft", drafting, lambda i: self.sessions[i].draft(max_tokens, sampling), k)
         drafts: dict[int, Draft] = {}
         for i in sorted(drafting, key=lambda i: (draft_cost(members[i]), i)):
             hints = [Candidate(members[j].name, d.text, d.ended, d.tokens) for j, d in drafts.items() if d.text]
 
             def draft_one(i: int, hints: list[Candidate] = hints) -> Draft:
-                return self.sessions[i].draft(max_tokens, self.sampling, hints=hints, score_eos=cfg.vote_on_stop)
+                return self.sessions[i].draft(max_tokens, sampling, hints=hints, score_eos=cfg.vote_on_stop)
 
             drafts.update(self.calls.call("draft", [i], draft_one, k))
         return {i: drafts[i] for i in drafting if i in drafts}

@@ -181,6 +181,13 @@ class Segment:
     copied: list[int] = field(default_factory=list)
     """Candidates (indices in ``candidates``) that would make the answer repeat an earlier
     assistant turn (``copy_guard_words``); the winner is among the others."""
+    avoided: list[str] = field(default_factory=list)
+    """Words this round's drafts were not to start with (``copy_break``): the word a cut stopped
+    before in the last round, and the words of this round's earlier drafts that copied from
+    their first word (drafted again)."""
+    cut_before: str = ""
+    """When every candidate copied (``copy_break``): the word the winner was cut before, where
+    its copy of an earlier answer would have been completed (``text`` is the winner's head)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view of the round, every field as named here (the trace's segments)."""

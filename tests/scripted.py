@@ -30,6 +30,10 @@ class ScriptedMember:
     draft_cost: float = 0.0
     hints_seen: list[list[str]] = field(default_factory=list)
     """The texts of the hints each draft call was shown."""
+    avoiding: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    """The draft a round returns when its first word may not be this one (``copy_break``)."""
+    avoided_seen: list[tuple[str, ...]] = field(default_factory=list)
+    """The ``avoid_words`` of each draft call."""
 
     def open(self, request: SessionRequest) -> ScriptedSession:
         self.calls.append("open")
@@ -66,8 +70,16 @@ class ScriptedSession:
         self.member.hints_seen.append([h.text for h in hints])
         if "draft" in self.member.fail_on:
             raise self.member.errors.get("draft") or TimeoutError(f"{self.member.name} timed out")
+        self.member.avoided_seen.append(sampling.avoid_words)
+        avoided = [w for w in sampling.avoid_words if w in self.member.avoiding]
+        if avoided:  # a redraft of the same round, or the round after a cut
+            return self._draft(*self.member.avoiding[avoided[-1]])
         self.round += 1
         text, ended = self.member.drafts[min(self.round, len(self.member.drafts)) - 1]
+        return self._draft(text, ended)
+
+    @staticmethod
+    def _draft(text: str, ended: bool) -> Draft:
         return Draft(text=text, ended=ended, tokens=len(text.split()))
 
     def score(self, candidates: Sequence[Candidate], *, score_eos: bool) -> list[CandidateScore]:

@@ -7,7 +7,7 @@ import pytest
 from scripted import ScriptedMember
 
 from specem_core import ConfigError, SpecEM, SpecEMConfig
-from specem_core.copies import CopyGuard, words
+from specem_core.copies import CopyGuard, first_word_done, in_code_or_math, opens_with, words
 
 EARLIER = "The pump of Press 3 was replaced by Ana on Monday morning."
 CHAT = [
@@ -85,12 +85,130 @@ def test_the_vote_picks_the_copy_and_the_guard_picks_the_answer() -> None:
     assert guarded.trace()["segments"][0]["copied"] == [0]
 
 
-def test_when_every_member_repeats_itself_the_vote_stands() -> None:
+def test_when_every_member_repeats_itself_the_vote_stands_without_copy_break() -> None:
     both = members()
     both[1].drafts = [(COPY + " by", False), (" Ana on Monday morning.", True)]
-    result = SpecEM(both, copy_guard_words=5).generate(CHAT)
+    result = SpecEM(both, copy_guard_words=5, copy_break=False).generate(CHAT)
     assert result.text.startswith(COPY)
     assert result.segments[0].copied == []
+    assert result.segments[0].cut_before == ""
+
+
+def test_the_guard_cut_finds_the_word_that_completes_the_copy() -> None:
+    guard = CopyGuard(CHAT, 5)
+    assert guard.cut("", NEW) is None
+    assert guard.cut("", COPY) == (len("The pump of Press"), "3")  # "the pump of press 3" is the run
+    assert guard.cut("The pump of", " Press 3 took") == (len(" Press"), "3")
+    assert guard.cut("The pump of Press", ", 3 took") == (0, "3")  # punctuation before the word is drafted again
+    assert guard.cut("The pump of Press 3 was", " fixed") is None
+
+
+def test_opens_with_is_about_the_first_word_only() -> None:
+    assert opens_with(" The", ["the"])
+    assert opens_with(" th", ["the"])  # may still become "the"
+    assert not opens_with(" There", ["the"])
+    assert opens_with(", the end", ["the"])
+    assert not opens_with(" a the", ["the"])
+    assert not opens_with("  ", ["the"])
+    assert first_word_done(" The ")
+    assert not first_word_done(" The")
+
+
+def test_code_and_math_are_told_from_prose() -> None:
+    assert not in_code_or_math("The pump was replaced. It cost $120 and")
+    assert in_code_or_math("Here:\n```python\nimport os\n")
+    assert not in_code_or_math("Here:\n```python\nimport os\n```\nThat")
+    assert in_code_or_math("Call `top_words(")
+    assert in_code_or_math("We have \\( x + y")
+    assert not in_code_or_math("We have \\( x + y \\) and")
+    assert in_code_or_math("\\[ x + y = 4z")
+
+
+def test_a_copy_inside_code_is_not_cut() -> None:
+    """Repeating a program's unchanged lines is often right: inside a code block the vote stands."""
+    program = "```python\nimport os\nfrom collections import Counter\n\ndef top_words(directory):\n```"
+    chat = [*CHAT[:2], {"role": "assistant", "content": program}, {"role": "user", "content": "Parallelize it."}]
+    opening = "```python\nimport os\n"
+    pair = [
+        ScriptedMember("a", drafts=[(opening, False), ("from collections import Counter", True)],
+                       avoiding={"counter": ("from multiprocessing import Pool", True)}),
+        ScriptedMember("b", drafts=[(opening, False), ("from collections import Counter\n", True)],
+                       avoiding={"counter": ("import multiprocessing", True)}),
+    ]  # fmt: skip
+    result = SpecEM(pair, copy_guard_words=5).generate(chat)
+    assert all(s.cut_before == "" and s.avoided == [] for s in result.segments)
+    assert "from collections import Counter" in result.text
+
+
+def both_copy() -> list[ScriptedMember]:
+    """Both members repeat the earlier answer; asked not to start with the word that completes
+    the copy, ``b`` answers the new question and ``a`` still repeats itself."""
+    prefer_copy = lambda committed, c: 3.0 if "Press 3" in committed + c.text else 1.0  # noqa: E731
+    return [
+        ScriptedMember(
+            "a",
+            drafts=[(COPY, False), (" by Ana on Monday morning.", True)],
+            avoiding={"3": (" of Press 3 was replaced", False)},
+            scorer=prefer_copy,
+        ),
+        ScriptedMember(
+            "b",
+            drafts=[(COPY + " by", False), (" Ana on Monday morning.", True)],
+            avoiding={"3": (" repair took four hours.", True)},
+            scorer=prefer_copy,
+        ),
+    ]
+
+
+def test_when_every_candidate_copies_the_winner_is_cut_and_the_next_drafts_avoid_the_word() -> None:
+    pair = both_copy()
+    result = SpecEM(pair, copy_guard_words=5).generate(CHAT)  # copy_break is on by default
+    first, second = result.segments[:2]
+    assert first.cut_before == "3"
+    assert first.text == "The pump of Press"
+    assert second.avoided == ["3"]
+    assert [m.avoided_seen[1] for m in pair] == [("3",), ("3",)]
+    assert second.copied == [0]  # a's redraft still copies ("of press 3 was replaced"), b's answers
+    assert result.text == "The pump of Press repair took four hours."
+    trace = result.trace()["segments"]
+    assert trace[0]["cut_before"] == "3"
+    assert trace[1]["avoided"] == ["3"]
+
+
+def test_a_winner_that_copies_from_its_first_word_has_the_round_drafted_again() -> None:
+    opening = "The pump of Press"  # four words of the run: no copy yet
+    prefer_copy = lambda committed, c: 3.0 if c.text.startswith(" 3") else 1.0  # noqa: E731
+    pair = [
+        ScriptedMember("a", drafts=[(opening, False), (" 3 was replaced", False)], scorer=prefer_copy,
+                       avoiding={"3": (" took four hours.", True)}),
+        ScriptedMember("b", drafts=[(opening, False), (" 3 was replaced by", False)], scorer=prefer_copy,
+                       avoiding={"3": (" line was down for a day.", True)}),
+    ]  # fmt: skip
+    result = SpecEM(pair, copy_guard_words=5).generate(CHAT)
+    second = result.segments[1]
+    assert second.avoided == ["3"]  # drafted again within the round
+    assert second.cut_before == ""
+    assert [m.avoided_seen for m in pair] == [[(), (), ("3",)], [(), (), ("3",)]]
+    assert result.text in {opening + " took four hours.", opening + " line was down for a day."}
+
+
+def test_when_every_redraft_copies_too_the_vote_stands() -> None:
+    opening = "The pump of Press"
+    pair = [
+        ScriptedMember("a", drafts=[(opening, False), (" 3 was replaced", True)]),
+        ScriptedMember("b", drafts=[(opening, False), (" 3 was replaced by Ana", True)]),
+    ]
+    result = SpecEM(pair, copy_guard_words=5).generate(CHAT)  # the members cannot avoid "3"
+    second = result.segments[1]
+    assert second.avoided == ["3", "3"]  # drafted again twice, then the vote stood
+    assert result.text.startswith(opening + " 3 was replaced")
+
+
+def test_a_member_alone_is_not_cut() -> None:
+    alone = ScriptedMember("a", drafts=[(COPY, False), (" by Ana on Monday morning.", True)])
+    result = SpecEM([alone], copy_guard_words=5).generate(CHAT)
+    assert result.text == EARLIER
+    assert all(s.cut_before == "" and s.avoided == [] for s in result.segments)
 
 
 def test_a_single_turn_request_is_untouched() -> None:
@@ -152,3 +270,5 @@ def test_the_option_is_checked_and_the_paper_keeps_its_rule() -> None:
     with pytest.raises(ConfigError, match="copy_guard_words"):
         SpecEMConfig(copy_guard_words=-1)
     assert SpecEMConfig(copy_guard_words=5, reproduce_paper=True).copy_guard_words == 0
+    assert SpecEMConfig().copy_break
+    assert not SpecEMConfig(reproduce_paper=True).copy_break

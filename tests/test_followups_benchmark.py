@@ -55,7 +55,7 @@ def test_mt_bench_keeps_second_turns_that_ask_something_new() -> None:
     assert all(len(r["turns"]) == 2 for r in rows)
 
 
-def _write(folder: Path, config: str, guard: int, right: dict[int, bool]) -> None:
+def _write(folder: Path, config: str, guard: str, right: dict[int, bool]) -> None:
     lines = [
         {"id": f"policy-{i}", "turn": 2, "question": "q", "answer": "a", "correct": ok, "guard": guard}
         for i, ok in right.items()
@@ -69,15 +69,37 @@ def test_each_fold_is_reported_under_the_setting_the_other_fold_chose(
     monkeypatch.setattr(followups, "RESULTS", tmp_path)
     monkeypatch.setattr(followups, "conversations", lambda: [{"id": f"policy-{i}", "system": ""} for i in range(4)])
     for config in followups.ENSEMBLES:
-        _write(tmp_path, config, 0, {0: True, 1: False, 2: True, 3: False})
+        _write(tmp_path, config, "0", {0: True, 1: False, 2: True, 3: False})
         # guard 5 is better on odd conversations (fold 1), worse on even ones (fold 0)
-        _write(tmp_path, config, 5, {0: False, 1: True, 2: False, 3: True})
+        _write(tmp_path, config, "5", {0: False, 1: True, 2: False, 3: True})
+        # with copy_break: the same answers, a larger change, so a tie goes to 5
+        _write(tmp_path, config, "5b", {0: False, 1: True, 2: False, 3: True})
     chosen = followups.chosen_guards()
-    assert chosen == {0: 5, 1: 0}  # fold 0 is reported under what fold 1 chose, and the reverse
+    assert chosen == {0: "5", 1: "0"}  # fold 0 is reported under what fold 1 chose, and the reverse
     records = followups.out_of_fold("graded", "paper", chosen)
     assert {k: r["guard"] for k, r in records.items()} == {
-        ("policy-0", 2): 5,
-        ("policy-1", 2): 0,
-        ("policy-2", 2): 5,
-        ("policy-3", 2): 0,
+        ("policy-0", 2): "5",
+        ("policy-1", 2): "0",
+        ("policy-2", 2): "5",
+        ("policy-3", 2): "0",
     }
+
+
+def test_guard_settings_name_the_engine_options() -> None:
+    assert followups.guard_options("0") == {"copy_guard_words": 0, "copy_break": False}
+    assert followups.guard_options("5b") == {"copy_guard_words": 5, "copy_break": True}
+    assert sorted(["5b", "8", "0", "5"], key=followups.change) == ["0", "8", "5", "5b"]
+    with pytest.raises(SystemExit, match="--guard x"):
+        followups.guard_options("x")
+
+
+def test_copy_break_acts_counts_cuts_and_redrafts() -> None:
+    """A cut carries its word into the next round's ``avoided``; only the words after it are redrafts."""
+    rounds = [
+        {"cut_before": "pump", "avoided": []},
+        {"cut_before": "", "avoided": ["pump", "the"]},  # the carried word, then one redraft
+        {"cut_before": "", "avoided": ["of"]},  # a redraft
+    ]
+    recs = {("policy-0", 2): {"rounds": rounds}, ("policy-1", 2): {"rounds": [{"cut_before": "", "avoided": []}]}}
+    assert followups.copy_break_acts(recs) == "1 | 2 | 1"
+    assert followups.copy_break_acts({("policy-0", 2): {"rounds": [{"copied": []}]}}) == "– | – | –"

@@ -13,10 +13,13 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (scripts/build_llama_cpp.sh)")
 
+from avoiding import check_avoiding_the_first_word  # noqa: E402
+
 from specem_core import (  # noqa: E402
     Candidate,
     ConfigError,
     ContextWindowError,
+    Draft,
     ModelNotFoundError,
     SamplingParams,
     SessionRequest,
@@ -341,6 +344,25 @@ def test_drafts_stop_at_their_first_line_end_when_asked(models: dict[str, LlamaC
             assert "\n" in got
             session.score([Candidate("self", got, False), Candidate("o", " ok", False)], score_eos=True)
             session.commit(got)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_draft_told_to_avoid_a_word_starts_with_another(models: dict[str, LlamaCppModel], kind: str) -> None:
+    """``SamplingParams(avoid_words=...)`` (``copy_break``): the tokens that would start an avoided
+    word as the draft's first word are refused, and only those: the rest of the draft is the greedy
+    continuation of its new start, and a word the draft does not start with changes nothing."""
+    m = _member(models, kind)
+    session = m.open(REQ)
+
+    def greedy_after_its_first_token(avoiding: Draft) -> None:
+        if kind in EXACT:
+            head = m.decode_bytes(session._draft.ids[:1]).decode()
+            assert (avoiding.text, avoiding.ended) == (head + naive_draft(m, m.encode_prompt(REQ), head, 9)[0], False)
+
+    try:
+        check_avoiding_the_first_word(session, 10, greedy_after_its_first_token)
     finally:
         session.close()
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from avoiding import check_avoiding_the_first_word
 from llama_server import LlamaServer, llama_server_binary, scores_beside_transformers, start_llama_cpp_server
 
 from specem_core import SpecEM, SpecEMConfig
@@ -134,6 +135,20 @@ def test_one_member_writes_the_servers_own_greedy_text(server: LlamaServer) -> N
     }
     assert result.text.strip() in own
     assert m.verification is None  # a member alone never asked how its server scores
+
+
+def test_a_draft_told_to_avoid_a_word_starts_with_another(server: LlamaServer) -> None:
+    """``copy_break``'s redraft on a server: the avoided word's leading tokens are biased away
+    (``logit_bias`` from the member's local tokenizer), and the draft's log-probs no longer score
+    it (they are the model's own only for a plain greedy draft)."""
+    from specem_core.backends.http.tokenizer import avoided_bias
+
+    m = member(server, "avoiding")
+    check_avoiding_the_first_word(m.open(SessionRequest(QUESTION)), 8)
+    bias = avoided_bias(m.tokenizer, ("paris",))  # the local tokenizer, resolved by the first draft
+    assert bias
+    assert all(v == -100.0 for v in bias.values())
+    assert avoided_bias(m.tokenizer, ()) == {}
 
 
 def test_a_pair_on_two_llama_servers_votes_exactly(server: LlamaServer, second: LlamaServer) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from avoiding import check_avoiding_the_first_word
 from llama_server import LlamaServer, scores_beside_transformers, start_vllm_server, vllm_python
 from server_checks import Recorder, compare_paths
 
@@ -290,6 +291,12 @@ def test_one_member_ensemble_writes_the_servers_own_greedy_text(server: LlamaSer
         messages.append({"role": "assistant", "content": text})
     assert member.modes[0] == "completions"
     assert member.prompt_source == ("local" if model == "smollm2" else "server")
+
+
+def test_a_draft_told_to_avoid_a_word_starts_with_another(templated: OpenAIHTTPMember) -> None:
+    """``copy_break``'s redraft on vLLM: ``logit_bias`` on the avoided word's leading tokens."""
+    session = templated.open(SessionRequest([{"role": "user", "content": "What is the capital of France?"}]))
+    check_avoiding_the_first_word(session, 8)
 
 
 def test_engine_with_vllm_members_and_a_local_one(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import tiny
+from avoiding import check_avoiding_the_first_word
 
 from specem_core import Candidate, SamplingParams, SessionRequest, SpecEM, SpecEMConfig
 from specem_core.testing.reference import naive_draft, naive_generate, naive_scores
@@ -277,6 +278,22 @@ def test_tokenizer_ids_beyond_the_models_head_are_not_banned() -> None:
     result = SpecEM([member], SpecEMConfig(max_new_tokens=8, ignore_eos=True)).generate("hi")
     assert result.excluded == []
     assert result.usage.completion_tokens >= 8
+
+
+def test_a_draft_told_to_avoid_a_word_starts_with_another() -> None:
+    """``SamplingParams(avoid_words=...)`` (``copy_break``) on the real SmolLM2 (its fp32 copy): the
+    draft's first word is not the avoided one, and a word the draft does not start with changes nothing."""
+    from specem_core import models, registry
+
+    packaged = models.find_packaged("smollm2")
+    if packaged is None or not models.is_converted(packaged):
+        pytest.skip("SmolLM2's fp32 copy is not installed (scripts/install_dev.sh converts it)")
+    member = registry.load_member("smollm2", backend="transformers")
+    session = member.open(SessionRequest([{"role": "user", "content": "What is the capital of France?"}]))
+    try:
+        check_avoiding_the_first_word(session, 10)
+    finally:
+        session.close()
 
 
 def test_drafts_stop_at_their_first_line_end_when_asked() -> None:

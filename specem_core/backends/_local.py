@@ -18,12 +18,16 @@ from typing import Any, Protocol, TypeVar
 
 from specem_core.backends._prefix_cache import common_prefix
 from specem_core.backends.base import MemberSession, SamplingParams, SessionRequest
+from specem_core.copies import first_word_done, opens_with
 from specem_core.errors import ContextWindowError
 from specem_core.types import Candidate, CandidateScore, Draft
 
 UTF8_EXTRA_TOKENS = 4
 """Extra tokens a draft may take to finish a multi-byte character split by the length cap."""
 T = TypeVar("T")
+
+AVOID_TRIES = 8
+"""How many picks a draft refuses for starting an avoided word before it takes the next one."""
 
 
 @dataclass
@@ -384,6 +388,20 @@ class LocalSession(MemberSession):
         raise NotImplementedError
 
     # -- drafting rules -----------------------------------------------------------------------
+    def _avoiding(
+        self, ids: Sequence[int], token: int, sampling: SamplingParams, repick: Callable[[list[int]], int]
+    ) -> int:
+        """``token``, or, while it would make the draft's first word one of
+        ``sampling.avoid_words`` (``copy_break``), ``repick`` of the tokens refused so far
+        (``AVOID_TRIES`` at most): the next best pick that starts another word."""
+        if not sampling.avoid_words or (ids and first_word_done(self._draft_text(ids))):
+            return token
+        refused: list[int] = []
+        while len(refused) < AVOID_TRIES and opens_with(self._draft_text([*ids, token]), sampling.avoid_words):
+            refused.append(token)
+            token = repick(refused)
+        return token
+
     def _record_pick(
         self,
         token: int,

@@ -42,6 +42,11 @@ class SamplingParams:
     """Redraw the last committed token among those extending its text (see ``SpecEMConfig``)."""
     stop_at_line_end: bool = False
     """End the draft after the first token that contains a newline (``segment_boundary="line"``)."""
+    avoid_words: tuple[str, ...] = ()
+    """Words the draft's first word must not be (compared case-blind, as the copy guard compares
+    words; ``copy_break``): words that would have continued a copy of an earlier answer. Local
+    members refuse only the tokens that would start one of them as the first word; a server member
+    biases their leading tokens away for the whole draft (its API has no per-position bias)."""
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from specem_core.backends.http.token_scoring import (
     prompt_tokens,
     token_list,
 )
-from specem_core.backends.http.tokenizer import TemplateOnly
+from specem_core.backends.http.tokenizer import TemplateOnly, avoided_bias
 from specem_core.chat_format import PLAIN_TURN_STOPS
 from specem_core.errors import ContextWindowError
 from specem_core.scoring import softmax
@@ -296,6 +296,8 @@ class OpenAIHTTPSession(MemberSession):
         m = self._m
         seed = None if self._seed is None else self._seed + self._round
         params = m.sampling_body(sampling, seed)
+        if bias := avoided_bias(m.tokenizer, sampling.avoid_words):  # copy_break: for the whole draft
+            params["logit_bias"] = {**params.get("logit_bias", {}), **bias}
         if self.draft_mode == "completions":
             plain = m.prompt_source == "plain"
             stops = list(PLAIN_TURN_STOPS) if plain else ([m.end_of_turn] if m.end_of_turn else [])
@@ -569,4 +571,9 @@ class OpenAIHTTPSession(MemberSession):
 
 def _greedy(sampling: SamplingParams) -> bool:
     """A draft whose reported log-probs are the model's own whatever the server's log-prob mode."""
-    return sampling.temperature == 0.0 and sampling.repetition_penalty == 1.0 and not sampling.ignore_eos
+    return (
+        sampling.temperature == 0.0
+        and sampling.repetition_penalty == 1.0
+        and not sampling.ignore_eos
+        and not sampling.avoid_words
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,23 @@ def stop_token_ids(tokenizer: Any, end_of_turn: str | None) -> list[int]:
             if isinstance(value, int) and value >= 0:
                 ids.add(value)
     return sorted(ids)
+
+
+def avoided_bias(tokenizer: Any, words: Sequence[str]) -> dict[str, float]:
+    """A ``logit_bias`` that keeps ``words`` from being written (``copy_break``): the first token of
+    each as a draft would start it (bare or after a space, lower case, capitalized or upper case)
+    at -100; empty without a tokenizer, or without words."""
+    if not words or tokenizer is None or isinstance(tokenizer, TemplateOnly):
+        return {}
+    ids: set[int] = set()
+    for word in words:
+        for form in (word, word.capitalize(), word.upper()):
+            for text in (form, " " + form):
+                with contextlib.suppress(Exception):
+                    encoded = tokenizer.encode(text, add_special_tokens=False)
+                    if encoded:
+                        ids.add(int(encoded[0]))
+    return {str(i): -100.0 for i in sorted(ids)}
 
 
 def end_of_turn_token(chat: ChatFormat, tokenizer: Any) -> str | None:

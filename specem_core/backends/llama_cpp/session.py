@@ -384,7 +384,14 @@ class LlamaCppSession(LocalSession):
         source: _Row | None = None
         hinted = reused = 0  # hinted: leading ids whose KV rows are source's, not yet the session's
         while True:
-            token = self._pick(logits, sampling, history, allowed_first if not ids else None)
+            allowed = allowed_first if not ids else None
+            token = self._pick(logits, sampling, history, allowed)
+            if sampling.avoid_words:  # copy_break: the first word is not one of these
+
+                def repick(out: list[int], at: Any = logits, ok: list[int] | None = allowed) -> int:
+                    return self._pick(self._refusing(at, out), sampling, history, ok)
+
+                token = self._avoiding(ids, token, sampling, repick)
             score = (float(logits[token]), float(logits[token]) - logsumexp(self._np, logits))
             eos_score = self._record_pick(token, score, ids, scores, history)
             if eos_score is not None:
@@ -440,6 +447,11 @@ class LlamaCppSession(LocalSession):
                 entry.kept = n
         self._length = row.start + n
         self._next_logits = row.step_logits[n - 1]
+
+    def _refusing(self, logits: Any, refused: list[int]) -> Any:
+        work = logits.copy()
+        work[refused] = -self._np.inf
+        return work
 
     def _pick(self, logits: Any, sampling: SamplingParams, history: set[int], allowed: list[int] | None) -> int:
         np = self._np

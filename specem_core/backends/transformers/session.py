@@ -141,12 +141,18 @@ class TransformersSession(LocalSession):
         drafting = queue.drafting((id(self._m.model), "decode")) if queue is not None else nullcontext()
         with torch.inference_mode(), drafting:
             while True:
+                picked = logits
                 if allowed_first and not ids:
                     mask = torch.full_like(logits, float("-inf"))
                     mask[allowed_first] = 0.0
-                    token = self._pick(logits + mask, sampling, history)
-                else:
-                    token = self._pick(logits, sampling, history)
+                    picked = logits + mask
+                token = self._pick(picked, sampling, history)
+                if sampling.avoid_words:  # copy_break: the first word is not one of these
+
+                    def repick(out: list[int], at: Any = picked) -> int:
+                        return self._pick(self._refusing(at, out), sampling, history)
+
+                    token = self._avoiding(ids, token, sampling, repick)
                 score = (float(logits[token]), float(torch.log_softmax(logits, dim=-1)[token]))
                 eos_score = self._record_pick(token, score, ids, scores, history)
                 if eos_score is not None:
@@ -341,6 +347,11 @@ class TransformersSession(LocalSession):
         head = tok.decode(self._resp_ids)
         whole = tok.decode(self._resp_ids + list(ids))
         return str(whole[len(head) :]) if whole.startswith(head) else str(tok.decode(list(ids)))
+
+    def _refusing(self, logits: torch.Tensor, refused: list[int]) -> torch.Tensor:
+        work = logits.clone()
+        work[refused] = float("-inf")
+        return work
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingParams, history: set[int]) -> int:
         torch = self._torch
