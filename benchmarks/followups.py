@@ -614,10 +614,10 @@ def on_history(which: str, config: str, guard: str, label: str = "", folder: Pat
     )
 
 
-def copy_break_acts(recs: dict[tuple[str, int], dict[str, Any]], followups: bool = True) -> str:
-    """``copy_break`` in a run's records: rounds cut, rounds drafted again (an avoided word that was
+def copy_break_acts(recs: dict[tuple[str, int], dict[str, Any]]) -> str:
+    """``copy_break`` in a run's follow-ups: rounds cut, rounds drafted again (an avoided word that was
     not the last round's cut), turns it acted on; "–" for runs without it."""
-    turns = [r for (_, t), r in recs.items() if (t > 1) == followups]
+    turns = [r for (_, t), r in recs.items() if t > 1]
     if not any("cut_before" in s for r in turns for s in r["rounds"]):
         return "– | – | –"
     cut = sum(bool(s["cut_before"]) for r in turns for s in r["rounds"])

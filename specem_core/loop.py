@@ -248,15 +248,17 @@ class Run:
         copied = self.copied(candidates)
         winner = self.copy_guard.pick(winner, vote.combined, copied)
         avoided, cut = self.avoid, self.copy_cut(candidates[winner], copied)
-        if cut is not None and cut[0] == 0 and len(avoided) < COPY_REDRAFTS:
-            self.avoid = (*avoided, cut[1])  # the winner copies from its first word: draft the round again
-            return self.round(k, max_tokens, weights, exit_rule)
-        self.avoid = (cut[1],) if cut is not None and cut[0] > 0 else ()  # for the next round's drafts
+        if cut is not None and cut[0] == 0:  # the winner copies from its first word
+            if len(avoided) < COPY_REDRAFTS:  # draft the round again
+                self.avoid = (*avoided, cut[1])
+                return self.round(k, max_tokens, weights, exit_rule)
+            cut = None  # the vote stands
+        self.avoid = (cut[1],) if cut is not None else ()  # for the next round's drafts
         if exit_rule is not None and drafting.solo is None:  # an unvoted round is no evidence for exit
             combined = {owners[n]: vote.combined[n] for n in range(len(owners))}
             texts = {owners[n]: (c.text, c.ended) for n, c in enumerate(candidates)}
             self.exited.update(exit_rule.update(k, drafting.members, combined, texts))
-        kept = candidates[winner].text[: cut[0]] if cut is not None and cut[0] > 0 else candidates[winner].text
+        kept = candidates[winner].text[: cut[0]] if cut is not None else candidates[winner].text
         segment = Segment(
             index=k,
             text=kept,
@@ -273,9 +275,9 @@ class Run:
             learning_rate=vote.learning_rate,
             copied=copied,
             avoided=list(avoided),
-            cut_before=self.avoid[0] if self.avoid else "",
+            cut_before=cut[1] if cut is not None else "",
         )
-        return segment, vote.weights, candidates[winner].ended and not self.avoid
+        return segment, vote.weights, candidates[winner].ended and cut is None
 
     def copy_cut(self, winner: Candidate, copied: Sequence[int]) -> tuple[int, str] | None:
         """Where the winner starts to copy an earlier answer, when every candidate copies, in prose
